@@ -1,0 +1,21 @@
+"""Framework-neutral pieces of QSA shared by ``qsa_torch``, ``qsa_jax`` and ``parity``.
+
+numpy only: the shape/scale half of the input contract, the route generators
+and training layouts (so both frameworks see identical routes from one seed),
+and the float64 oracle. Nothing here imports torch or jax.
+"""
+
+from .contract import ProblemDims, check_shapes, resolve_scale
+from .generators import FAMILIES, qsa_width
+from .layouts import LAYOUTS, RouteProblem, make_problem
+
+__all__ = [
+    "FAMILIES",
+    "LAYOUTS",
+    "ProblemDims",
+    "RouteProblem",
+    "check_shapes",
+    "make_problem",
+    "qsa_width",
+    "resolve_scale",
+]

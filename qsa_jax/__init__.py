@@ -1,0 +1,21 @@
+"""QSA for JAX: route-sparse grouped-query attention.
+
+``reference_sparse_gqa_attention`` (also ``reference``) is the gather-based
+XLA reference and runs on any device. Pallas kernels import their Triton
+lowering on first use only, so importing this package needs nothing but jax
+and numpy.
+"""
+
+from .routes import generate_problem, normalize_routes, prepare_routes, validate_inputs
+from .xla_reference import reference_sparse_gqa_attention
+
+reference = reference_sparse_gqa_attention
+
+__all__ = [
+    "generate_problem",
+    "normalize_routes",
+    "prepare_routes",
+    "reference",
+    "reference_sparse_gqa_attention",
+    "validate_inputs",
+]

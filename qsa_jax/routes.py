@@ -1,0 +1,191 @@
+"""Route handling and input validation shared by every ``qsa_jax`` implementation.
+
+* :func:`prepare_routes`: host-side guard for int64 routes when JAX runs
+  without x64 (JAX would otherwise wrap huge IDs into valid int32 ones).
+* :func:`validate_inputs`: the contract's checks with its exception types.
+* :func:`normalize_routes`: canonical routes (invalid -> -1, duplicates -> -1,
+  optionally sorted), int32, traceable under ``jit``.
+* :func:`generate_problem`: the numpy generators of :mod:`qsa_common` as JAX
+  arrays (identical to ``qsa_torch`` for one seed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qsa_common import layouts as _layouts
+from qsa_common.contract import ProblemDims, check_shapes, resolve_scale
+
+__all__ = [
+    "ProblemDims",
+    "Validated",
+    "prepare_routes",
+    "validate_inputs",
+    "normalize_routes",
+    "membership_table",
+    "generate_problem",
+]
+
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+_INT32 = np.iinfo(np.int32)
+
+
+@dataclass(frozen=True)
+class Validated:
+    """What :func:`validate_inputs` established: the sizes and the scale."""
+
+    dims: ProblemDims
+    scale: float
+
+
+def _check_route_dtype(dtype: Any) -> None:
+    dtype = np.dtype(dtype)
+    if dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
+        raise TypeError(f"selected_token_ids must be signed int32 or int64, got {dtype}")
+
+
+def prepare_routes(selected_token_ids: Any) -> Any:
+    """Return routes safe to hand to JAX, keeping the route set unchanged.
+
+    numpy (or other host) int64 routes hold values past int32 that JAX without
+    x64 would wrap (``2**32 + 5`` would become the valid ID 5). Those values are
+    padding anyway, so they are replaced by -1 here, on the host, before any
+    conversion. JAX arrays pass through (they cannot hold such values unless x64
+    is on, in which case they are compared in int64).
+
+    Raises:
+        TypeError: for unsigned, floating or boolean routes.
+    """
+    if isinstance(selected_token_ids, jax.Array):
+        _check_route_dtype(selected_token_ids.dtype)
+        return selected_token_ids
+    if not hasattr(selected_token_ids, "dtype") or not hasattr(selected_token_ids, "shape"):
+        raise TypeError(
+            "selected_token_ids must be an array, got "
+            f"{type(selected_token_ids).__name__}"
+        )
+    host = np.asarray(selected_token_ids)
+    _check_route_dtype(host.dtype)
+    if host.dtype == np.int64 and not jax.config.jax_enable_x64:
+        host = np.where((host < _INT32.min) | (host > _INT32.max), -1, host).astype(np.int32)
+    return host
+
+
+def _devices(x: Any) -> frozenset | None:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        try:
+            return frozenset(x.devices())
+        except Exception:  # deleted or otherwise unavailable arrays
+            return None
+    return None
+
+
+def validate_inputs(
+    query: Any,
+    key: Any,
+    value: Any,
+    selected_token_ids: Any,
+    softmax_scale: float | None = None,
+    *,
+    dtypes: tuple[Any, ...] = _FLOAT_DTYPES,
+) -> Validated:
+    """Check query ``[B,S_q,Hq,D]``, key/value ``[B,S_kv,Hkv,D]``, routes ``[B,S_q,K]``.
+
+    Works on concrete arrays and on tracers (device checks apply to concrete
+    ``jax.Array`` inputs only).
+
+    Raises:
+        TypeError: non-floating compute arrays (or outside ``dtypes``), key/value
+            dtypes differing from query's, routes not signed int32/int64.
+        ValueError: wrong ranks or sizes, Hq % Hkv != 0, empty dimensions,
+            arrays committed to different devices, or a bad scale.
+    """
+    allowed = tuple(np.dtype(d) for d in dtypes)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not hasattr(t, "dtype") or not hasattr(t, "shape"):
+            raise TypeError(f"{name} must be an array, got {type(t).__name__}")
+        if np.dtype(t.dtype) not in allowed:
+            names = ", ".join(str(d) for d in allowed)
+            raise TypeError(f"{name} must have a floating dtype in ({names}), got {t.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if np.dtype(t.dtype) != np.dtype(query.dtype):
+            raise TypeError(f"{name} dtype {t.dtype} differs from query dtype {query.dtype}")
+    if not hasattr(selected_token_ids, "dtype"):
+        raise TypeError(
+            f"selected_token_ids must be an array, got {type(selected_token_ids).__name__}"
+        )
+    _check_route_dtype(selected_token_ids.dtype)
+    dims = check_shapes(
+        tuple(query.shape), tuple(key.shape), tuple(value.shape), tuple(selected_token_ids.shape)
+    )
+    query_devices = _devices(query)
+    for name, t in (("key", key), ("value", value), ("selected_token_ids", selected_token_ids)):
+        devices = _devices(t)
+        if query_devices is not None and devices is not None and devices != query_devices:
+            raise ValueError(
+                f"{name} is on {sorted(map(str, devices))} but query is on "
+                f"{sorted(map(str, query_devices))}"
+            )
+    return Validated(dims, resolve_scale(softmax_scale, dims.head_dim))
+
+
+def normalize_routes(selected_token_ids: jax.Array, kv_length: int, *, sort: bool = False) -> jax.Array:
+    """Canonical int32 routes of the same shape (traceable).
+
+    IDs outside ``[0, kv_length)`` become -1; of repeated IDs in a row the first
+    (lowest slot) is kept and the others become -1. With ``sort=True`` rows are
+    ascending with -1 first; otherwise valid IDs keep their slots.
+    """
+    if not 0 < kv_length < 2**31:
+        raise ValueError(f"kv_length must be in [1, 2**31), got {kv_length}")
+    routes = jnp.asarray(selected_token_ids)
+    _check_route_dtype(routes.dtype)
+    valid = (routes >= 0) & (routes < kv_length)
+    ids = jnp.where(valid, routes, -1).astype(jnp.int32)
+    slots = jax.lax.broadcasted_iota(jnp.int32, ids.shape, ids.ndim - 1)
+    ordered, order = jax.lax.sort((ids, slots), dimension=ids.ndim - 1, num_keys=1, is_stable=True)
+    repeat = jnp.concatenate(
+        [jnp.zeros_like(ordered[..., :1], dtype=bool),
+         (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)],
+        axis=-1,
+    )
+    ordered = jnp.where(repeat, -1, ordered)
+    if sort:
+        return jnp.sort(ordered, axis=-1)
+    # undo the sort: slot order[j] receives ordered[j]
+    _, restored = jax.lax.sort((order, ordered), dimension=ids.ndim - 1, num_keys=1)
+    return restored
+
+
+def membership_table(selected_token_ids: jax.Array, kv_length: int) -> jax.Array:
+    """Boolean ``[B, S_q, kv_length]`` table of the valid routes of each row."""
+    routes = jnp.asarray(selected_token_ids)
+    valid = (routes >= 0) & (routes < kv_length)
+    ids = jnp.where(valid, routes, kv_length).astype(jnp.int32)
+    table = jnp.zeros(routes.shape[:2] + (kv_length + 1,), dtype=bool)
+    b, s, k = routes.shape
+    bi = jnp.broadcast_to(jnp.arange(b)[:, None, None], (b, s, k))
+    si = jnp.broadcast_to(jnp.arange(s)[None, :, None], (b, s, k))
+    return table.at[bi, si, ids].set(True)[..., :kv_length]
+
+
+def generate_problem(
+    layout: str,
+    route_family: str,
+    *,
+    seed: int,
+    seq_len: int,
+    **kwargs,
+) -> tuple[jax.Array, _layouts.RouteProblem]:
+    """Routes of one layout and family as a JAX int32 array, with their description.
+
+    Thin wrapper of :func:`qsa_common.layouts.make_problem`; the routes are the
+    same set as ``qsa_torch.routes.generate_problem``'s for the same seed.
+    """
+    problem = _layouts.make_problem(layout, route_family, seed=seed, seq_len=seq_len, **kwargs)
+    return jnp.asarray(prepare_routes(problem.routes)), problem

@@ -1,0 +1,93 @@
+"""The gather-based JAX reference of route-sparse GQA (``implementation="xla"``).
+
+Chunks of query rows run through ``lax.map``; each chunk gathers its routed
+K/V rows, applies an fp32 masked softmax and contracts with the gathered
+values. Each chunk is wrapped in ``jax.checkpoint`` so the backward recomputes
+it instead of storing gathers: memory is O(B * chunk * K * Hkv * D) plus the
+inputs, never O(S^2). ``jax.grad`` gives dq, dk and dv.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .routes import normalize_routes, prepare_routes, validate_inputs
+
+__all__ = ["reference_sparse_gqa_attention"]
+
+_CHUNK_ELEMENTS = 1 << 25
+
+
+def _attend_chunk(query, key, value, routes, scale):
+    """query [B,c,Hq,D], key/value [B,S_kv,Hkv,D], canonical routes [B,c,K] -> [B,c,Hq,D]."""
+    bsz, rows, hq, d = query.shape
+    hkv = key.shape[2]
+    compute = jnp.promote_types(query.dtype, jnp.float32)
+    valid = routes >= 0
+    idx = jnp.maximum(routes, 0)
+    gather = jax.vmap(lambda kv, i: kv[i])
+    k = gather(key, idx).astype(compute)  # [B,c,K,Hkv,D]
+    v = gather(value, idx).astype(compute)
+    q = query.astype(compute).reshape(bsz, rows, hkv, hq // hkv, d)
+    scores = jnp.einsum("bchgd,bckhd->bchgk", q, k) * scale
+    mask = valid[:, :, None, None, :]
+    row_max = jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1, keepdims=True)
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    weights = jnp.exp(jnp.where(mask, scores - row_max, -jnp.inf))
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bchgk,bckhd->bchgd", probs, v)
+    return out.reshape(bsz, rows, hq, d).astype(query.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_rows"))
+def _reference(query, key, value, routes, *, scale: float, chunk_rows: int):
+    bsz, s_q, hq, d = query.shape
+    routes = normalize_routes(routes, key.shape[1])
+    if chunk_rows >= s_q:
+        return _attend_chunk(query, key, value, routes, scale)
+    n_chunks = -(-s_q // chunk_rows)
+    pad = n_chunks * chunk_rows - s_q
+    q = jnp.pad(query, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    r = jnp.pad(routes, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
+    q = q.reshape(bsz, n_chunks, chunk_rows, hq, d).swapaxes(0, 1)
+    r = r.reshape(bsz, n_chunks, chunk_rows, -1).swapaxes(0, 1)
+    body = jax.checkpoint(lambda qr: _attend_chunk(qr[0], key, value, qr[1], scale))
+    out = jax.lax.map(body, (q, r))  # [n_chunks, B, c, Hq, D]
+    return out.swapaxes(0, 1).reshape(bsz, n_chunks * chunk_rows, hq, d)[:, :s_q]
+
+
+def reference_sparse_gqa_attention(
+    query,
+    key,
+    value,
+    selected_token_ids,
+    softmax_scale: float | None = None,
+    *,
+    chunk_rows: int | None = None,
+):
+    """Route-sparse GQA by gathering each row's routed keys and values.
+
+    Args:
+        query: ``[B, S_q, Hq, D]`` float array (f16/bf16/f32/f64).
+        key: ``[B, S_kv, Hkv, D]``, same dtype; Hq % Hkv == 0.
+        value: same shape and dtype as ``key``.
+        selected_token_ids: ``[B, S_q, K]`` signed int32/int64 IDs into
+            ``[0, S_kv)``; anything else is padding, duplicates count once.
+        softmax_scale: finite positive scale, default ``1/sqrt(D)``.
+        chunk_rows: query rows per chunk (default: ~128 MB of gathers).
+
+    Returns:
+        ``[B, S_q, Hq, D]`` in query's dtype; rows without routes are exactly 0
+        and add nothing to any gradient. Accumulation is fp32 (f64 for f64).
+    """
+    routes = prepare_routes(selected_token_ids)
+    checked = validate_inputs(query, key, value, routes, softmax_scale)
+    dims = checked.dims
+    if chunk_rows is None:
+        per_row = dims.batch * dims.routes_per_query * dims.kv_heads * dims.head_dim
+        chunk_rows = max(1, _CHUNK_ELEMENTS // per_row)
+    return _reference(query, key, value, routes, scale=checked.scale, chunk_rows=int(chunk_rows))

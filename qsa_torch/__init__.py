@@ -1,0 +1,18 @@
+"""QSA for PyTorch: route-sparse grouped-query attention.
+
+``reference_sparse_gqa_attention`` runs anywhere. Optional backends live in
+their own modules and import their runtimes (inductor, flash-attn-4, cuDNN
+Frontend) on first use only, so importing this package needs nothing but
+torch and numpy.
+"""
+
+from .reference import reference_sparse_gqa_attention
+from .routes import generate_problem, membership_table, normalize_routes, validate_inputs
+
+__all__ = [
+    "generate_problem",
+    "membership_table",
+    "normalize_routes",
+    "reference_sparse_gqa_attention",
+    "validate_inputs",
+]

@@ -1,0 +1,173 @@
+"""Route handling and input validation shared by every ``qsa_torch`` backend.
+
+* :func:`validate_inputs`: the contract's checks, once, with its exception types.
+* :func:`normalize_routes`: canonical routes (invalid -> -1, duplicates -> -1,
+  optionally sorted), int32, for int32 and int64 input including huge values.
+* :func:`membership_table`: boolean ``[B, S_q, S_kv]`` table of the route sets.
+* :func:`generate_problem` and friends: the numpy generators of
+  :mod:`qsa_common` as torch tensors (identical to ``qsa_jax`` for one seed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from qsa_common import layouts as _layouts
+from qsa_common.contract import ProblemDims, check_shapes, resolve_scale
+
+__all__ = [
+    "ProblemDims",
+    "Validated",
+    "validate_inputs",
+    "validate_routes",
+    "normalize_routes",
+    "membership_table",
+    "generate_problem",
+    "to_torch_routes",
+]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ROUTE_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class Validated:
+    """What :func:`validate_inputs` established: the sizes and the scale."""
+
+    dims: ProblemDims
+    scale: float
+
+
+def validate_routes(selected_token_ids: torch.Tensor) -> None:
+    """Raise TypeError unless routes are a signed int32/int64 tensor."""
+    if not isinstance(selected_token_ids, torch.Tensor):
+        raise TypeError(
+            f"selected_token_ids must be a torch.Tensor, got {type(selected_token_ids).__name__}"
+        )
+    if selected_token_ids.dtype not in _ROUTE_DTYPES:
+        raise TypeError(
+            "selected_token_ids must be signed int32 or int64, got "
+            f"{selected_token_ids.dtype}"
+        )
+
+
+def validate_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    selected_token_ids: torch.Tensor,
+    softmax_scale: float | None = None,
+    *,
+    dtypes: tuple[torch.dtype, ...] = _FLOAT_DTYPES,
+) -> Validated:
+    """Check query ``[B,S_q,Hq,D]``, key/value ``[B,S_kv,Hkv,D]``, routes ``[B,S_q,K]``.
+
+    ``dtypes`` narrows the accepted compute dtype for a fast path.
+
+    Raises:
+        TypeError: a non-tensor, a compute tensor outside ``dtypes``, key/value
+            dtypes differing from query's, or routes not signed int32/int64.
+        ValueError: wrong ranks or sizes, Hq % Hkv != 0, empty dimensions,
+            tensors on different devices, or a non-finite / non-positive scale.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in dtypes:
+            allowed = ", ".join(str(d) for d in dtypes)
+            raise TypeError(f"{name} must have a floating dtype in ({allowed}), got {t.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from query dtype {query.dtype}")
+    validate_routes(selected_token_ids)
+    dims = check_shapes(
+        tuple(query.shape), tuple(key.shape), tuple(value.shape), tuple(selected_token_ids.shape)
+    )
+    for name, t in (("key", key), ("value", value), ("selected_token_ids", selected_token_ids)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+    return Validated(dims, resolve_scale(softmax_scale, dims.head_dim))
+
+
+def normalize_routes(
+    selected_token_ids: torch.Tensor, kv_length: int, *, sort: bool = False
+) -> torch.Tensor:
+    """Canonical routes: a new contiguous int32 tensor of the same shape.
+
+    IDs outside ``[0, kv_length)`` (negative, past the end, huge int64) become -1.
+    Of repeated IDs in a row the first (lowest slot) is kept and the others
+    become -1. With ``sort=True`` each row is ascending with the -1 entries
+    first; otherwise valid IDs keep their slots. No host synchronisation.
+    """
+    validate_routes(selected_token_ids)
+    if not 0 < kv_length < 2**31:
+        raise ValueError(f"kv_length must be in [1, 2**31), got {kv_length}")
+    routes = selected_token_ids
+    # compare in the input dtype: casting huge int64 to int32 first would wrap
+    valid = (routes >= 0) & (routes < kv_length)
+    ids = torch.where(valid, routes, torch.full_like(routes, -1)).to(torch.int32)
+    ordered, order = torch.sort(ids, dim=-1, stable=True)
+    repeat = torch.zeros_like(ordered, dtype=torch.bool)
+    repeat[..., 1:] = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    ordered = ordered.masked_fill(repeat, -1)
+    if sort:
+        return torch.sort(ordered, dim=-1).values.contiguous()
+    return torch.empty_like(ordered).scatter_(-1, order, ordered)
+
+
+def membership_table(
+    selected_token_ids: torch.Tensor, kv_length: int, *, dtype: torch.dtype = torch.bool
+) -> torch.Tensor:
+    """``[B, S_q, kv_length]`` table, 1 where the ID is a valid route of the row.
+
+    Memory: ``B * S_q * kv_length`` elements of ``dtype`` (one byte for bool/uint8).
+    """
+    validate_routes(selected_token_ids)
+    b, s_q, _ = selected_token_ids.shape
+    routes = selected_token_ids
+    valid = (routes >= 0) & (routes < kv_length)
+    # invalid IDs go to a spare column that is dropped afterwards
+    ids = torch.where(valid, routes, torch.full_like(routes, kv_length)).long()
+    table = torch.zeros(b, s_q, kv_length + 1, dtype=dtype, device=routes.device)
+    table.scatter_(-1, ids, torch.ones_like(ids, dtype=dtype))
+    return table[..., :kv_length].contiguous()
+
+
+def to_torch_routes(
+    problem: _layouts.RouteProblem,
+    *,
+    dtype: torch.dtype = torch.int64,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """The problem's routes as a torch tensor.
+
+    With ``dtype=torch.int32`` values outside int32 are first replaced by -1
+    (both are padding), so the route set is unchanged.
+    """
+    routes = problem.routes
+    if dtype == torch.int32:
+        info = np.iinfo(np.int32)
+        routes = np.where((routes < info.min) | (routes > info.max), -1, routes).astype(np.int32)
+    return torch.from_numpy(np.ascontiguousarray(routes)).to(device=device, dtype=dtype)
+
+
+def generate_problem(
+    layout: str,
+    route_family: str,
+    *,
+    seed: int,
+    seq_len: int,
+    dtype: torch.dtype = torch.int64,
+    device: torch.device | str = "cpu",
+    **kwargs,
+) -> tuple[torch.Tensor, _layouts.RouteProblem]:
+    """Routes of one layout and family as a tensor, with their description.
+
+    Thin wrapper of :func:`qsa_common.layouts.make_problem` (same arguments):
+    the routes equal ``qsa_jax.routes.generate_problem``'s for the same seed.
+    """
+    problem = _layouts.make_problem(layout, route_family, seed=seed, seq_len=seq_len, **kwargs)
+    return to_torch_routes(problem, dtype=dtype, device=device), problem

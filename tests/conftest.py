@@ -1,0 +1,43 @@
+"""Shared pytest setup: GPU tests skip cleanly where no CUDA device is present."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+# Several host devices for device-mismatch and context-parallel tests on CPU;
+# must be set before jax is first imported.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+
+# make `import contract_base` / `import runners` work from any test module
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return True
+    except ImportError:
+        pass
+    try:
+        import jax
+
+        return any(d.platform == "gpu" for d in jax.devices())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
