@@ -6,10 +6,12 @@ Frontend) on first use only, so importing this package needs nothing but
 torch and numpy.
 """
 
+from .cudnn_qsa import cudnn_sparse_gqa_attention
 from .reference import reference_sparse_gqa_attention
 from .routes import generate_problem, membership_table, normalize_routes, validate_inputs
 
 __all__ = [
+    "cudnn_sparse_gqa_attention",
     "generate_problem",
     "membership_table",
     "normalize_routes",
