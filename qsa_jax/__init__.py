@@ -6,6 +6,7 @@ lowering on first use only, so importing this package needs nothing but jax
 and numpy.
 """
 
+from .attention import sparse_gqa_attention
 from .routes import generate_problem, normalize_routes, prepare_routes, validate_inputs
 from .xla_reference import reference_sparse_gqa_attention
 
@@ -17,5 +18,6 @@ __all__ = [
     "prepare_routes",
     "reference",
     "reference_sparse_gqa_attention",
+    "sparse_gqa_attention",
     "validate_inputs",
 ]

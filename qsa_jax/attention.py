@@ -1,0 +1,102 @@
+"""``qsa_jax.sparse_gqa_attention``: one entry point, implementations by name.
+
+``implementation`` may be a name or a sequence of names; the first that does
+not raise ``NotImplementedError`` for the given inputs runs, otherwise all the
+reasons are raised together. ``None`` means ``"pallas"`` on a GPU and
+``"xla"`` elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from .routes import prepare_routes, validate_inputs
+from .xla_reference import reference_sparse_gqa_attention
+
+__all__ = ["sparse_gqa_attention", "IMPLEMENTATIONS"]
+
+
+def _xla(query, key, value, routes, scale, *, block_sizes, interpret):
+    del block_sizes, interpret  # the reference has neither
+    return reference_sparse_gqa_attention(query, key, value, routes, scale)
+
+
+def _pallas(query, key, value, routes, scale, *, block_sizes, interpret):
+    from . import pallas_qsa  # imports the Triton lowering on first use only
+
+    return pallas_qsa.pallas_sparse_gqa_attention(
+        query, key, value, routes, scale, block_sizes=block_sizes, interpret=interpret
+    )
+
+
+IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"xla": _xla, "pallas": _pallas}
+
+
+def _default_implementation(query) -> str:
+    try:
+        devices = query.devices() if isinstance(query, jax.Array) and not isinstance(
+            query, jax.core.Tracer
+        ) else {jax.devices()[0]}
+    except Exception:
+        devices = {jax.devices()[0]}
+    return "pallas" if all(d.platform == "gpu" for d in devices) else "xla"
+
+
+def sparse_gqa_attention(
+    query,
+    key,
+    value,
+    selected_token_ids,
+    softmax_scale: float | None = None,
+    *,
+    implementation: str | Sequence[str] | None = None,
+    block_sizes=None,
+    interpret: bool | None = None,
+):
+    """Route-sparse GQA: each query row attends exactly to its routes.
+
+    Args:
+        query: ``[B, S_q, Hq, D]`` (bf16, f16 or f32).
+        key, value: ``[B, S_kv, Hkv, D]``, same dtype; Hq a multiple of Hkv.
+        selected_token_ids: ``[B, S_q, K]`` int32/int64 IDs in global K/V
+            coordinates; IDs outside ``[0, S_kv)`` are padding, duplicates count once.
+        softmax_scale: finite positive scale, default ``1/sqrt(D)``.
+        implementation: ``"pallas"`` (Pallas Triton kernels), ``"xla"`` (the
+            gather reference), a sequence of them tried in order, or ``None``.
+        block_sizes: a ``qsa_jax.pallas_qsa.BlockSizes`` for the Pallas kernels.
+        interpret: run the Pallas kernels in interpret mode (CPU); default: on
+            when no GPU backs the inputs.
+
+    Returns:
+        ``[B, S_q, Hq, D]`` in query's dtype. Empty rows are exactly zero and
+        add nothing to any gradient.
+
+    Raises:
+        ValueError / TypeError: bad shapes, dtypes or scale (the contract's types).
+        NotImplementedError: no requested implementation accepts the inputs.
+    """
+    routes = prepare_routes(selected_token_ids)
+    checked = validate_inputs(query, key, value, routes, softmax_scale)
+    if implementation is None:
+        names: Sequence[str] = (_default_implementation(query),)
+    elif isinstance(implementation, str):
+        names = (implementation,)
+    else:
+        names = tuple(implementation)
+    reasons = []
+    for name in names:
+        if name not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"unknown implementation {name!r}; expected one of {sorted(IMPLEMENTATIONS)}"
+            )
+        try:
+            return IMPLEMENTATIONS[name](
+                query, key, value, routes, checked.scale,
+                block_sizes=block_sizes, interpret=interpret,
+            )
+        except NotImplementedError as err:
+            reasons.append(f"{name}: {err}")
+    raise NotImplementedError("no implementation accepted the inputs:\n  " + "\n  ".join(reasons))

@@ -1,0 +1,386 @@
+"""Route-sparse GQA in Pallas (Triton lowering) with ``jax.custom_vjp``.
+
+The algorithm is docs/design-token-gather.md: query rows are grouped in tiles of
+T consecutive rows; each tile walks the sorted union of its rows' routes in
+chunks of ``block_k`` IDs, gathering each K/V row once for all T * G (row, head)
+pairs of one KV head, with a per-ID bitmask saying which rows route to it.
+
+* forward kernel: online softmax in fp32, output and natural-log LSE;
+* backward kernel (one fused pass): dQ kept on chip, dK/dV accumulated per
+  union chunk into fp32 buffers with atomic adds (IDs in a chunk are distinct).
+
+Work is proportional to S_q * |union| (about 1.5 K for QSA-format routes), never
+S^2. Inputs are validated by :func:`qsa_jax.attention.sparse_gqa_attention`;
+:func:`pallas_sparse_gqa_attention` validates too when called directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .routes import prepare_routes, validate_inputs
+
+__all__ = ["BlockSizes", "pallas_sparse_gqa_attention", "tile_route_union"]
+
+_NO_ID = jnp.iinfo(jnp.int32).max  # sorts after every valid ID
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile shapes and launch parameters of the kernels.
+
+    ``block_m``: (query row, head) pairs per program, i.e. T * G_pad where
+    G_pad is the GQA group rounded up to a power of two (T = block_m // G_pad,
+    at most 16 rows). ``block_k``: union IDs per step. ``*_bwd``: the same for
+    the backward kernel. ``num_warps`` / ``num_stages``: Triton launch options.
+    """
+
+    block_m: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    block_m_bwd: int = 64
+    block_k_bwd: int = 32
+    num_warps_bwd: int = 8
+    num_stages_bwd: int = 1
+
+    def __post_init__(self):
+        for name in ("block_m", "block_k", "block_m_bwd", "block_k_bwd"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {value}")
+
+    @classmethod
+    def default(cls, head_dim: int, interpret: bool) -> "BlockSizes":
+        """Tuned for the H200 at D=256; small tiles for interpret mode."""
+        if interpret:
+            return cls(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
+        if head_dim <= 128:
+            return cls(block_m=128, block_k=64, block_m_bwd=128, block_k_bwd=32)
+        return cls()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """Static sizes derived from the inputs and a (block_m, block_k) choice."""
+
+    group: int  # G = Hq // Hkv
+    group_pad: int  # G rounded up to a power of two
+    rows: int  # T: query rows per tile
+    head_dim_pad: int
+    block_k: int
+
+    @property
+    def block_m(self) -> int:
+        return self.rows * self.group_pad
+
+    @staticmethod
+    def make(group: int, head_dim: int, block_m: int, block_k: int) -> "_Geometry":
+        group_pad = pl.next_power_of_2(group)
+        rows = max(1, min(16, block_m // group_pad))
+        if rows * group_pad < 16:  # dots need M >= 16
+            rows = -(-16 // group_pad)
+        head_dim_pad = max(16, pl.next_power_of_2(head_dim))
+        return _Geometry(group, group_pad, rows, head_dim_pad, block_k)
+
+
+# ----------------------------------------------------------------- preprocessing
+def tile_route_union(routes: jax.Array, rows: int, block_k: int):
+    """Per tile of ``rows`` consecutive query rows: the union of their routes.
+
+    Args:
+        routes: ``[B, S_q, K]`` int32 routes; IDs < 0 are padding (call with
+            IDs already clipped to ``[-1, S_kv)``). Duplicates are allowed.
+        rows: T, query rows per tile (<= 16).
+        block_k: the union width is padded to a multiple of this.
+
+    Returns:
+        ``union [B, n_tiles, U]`` int32 ascending distinct IDs then -1,
+        ``rowbits [B, n_tiles, U]`` int32 (bit t: row t of the tile routes to
+        the ID), ``count [B, n_tiles, 1]`` int32 number of distinct IDs, with
+        ``n_tiles = ceil(S_q / T)`` and ``U = round_up(T * K, block_k)``.
+    """
+    bsz, s_q, width = routes.shape
+    n_tiles = -(-s_q // rows)
+    r = jnp.pad(routes, ((0, 0), (0, n_tiles * rows - s_q), (0, 0)), constant_values=-1)
+    r = r.reshape(bsz, n_tiles, rows * width)
+    ids = jnp.where(r >= 0, r, _NO_ID)
+    tok = jnp.broadcast_to(jnp.repeat(jnp.arange(rows, dtype=jnp.int32), width), ids.shape)
+    ids, tok = jax.lax.sort((ids, tok), dimension=2, num_keys=2)
+    valid = ids != _NO_ID
+    prev_id = jnp.pad(ids[..., :-1], ((0, 0), (0, 0), (1, 0)), constant_values=-1)
+    prev_tok = jnp.pad(tok[..., :-1], ((0, 0), (0, 0), (1, 0)), constant_values=-1)
+    first = valid & (ids != prev_id)
+    # a repeated (ID, row) pair adds its bit once
+    fresh = valid & ((ids != prev_id) | (tok != prev_tok))
+    slot = jnp.cumsum(first, axis=2, dtype=jnp.int32) - 1
+    width_pad = -(-rows * width // block_k) * block_k
+    slot = jnp.where(valid, slot, width_pad)  # out of bounds: dropped
+
+    def scatter(slot_t, ids_t, bits_t, first_t):
+        union = jnp.full((width_pad,), -1, jnp.int32).at[jnp.where(first_t, slot_t, width_pad)].set(
+            ids_t, mode="drop"
+        )
+        rowbits = jnp.zeros((width_pad,), jnp.int32).at[slot_t].add(bits_t, mode="drop")
+        return union, rowbits
+
+    bits = jnp.where(fresh, jnp.left_shift(jnp.int32(1), tok), 0)
+    flat = lambda x: x.reshape(bsz * n_tiles, -1)  # noqa: E731
+    union, rowbits = jax.vmap(scatter)(flat(slot), flat(ids), flat(bits), flat(first))
+    count = jnp.sum(first, axis=2, dtype=jnp.int32)[..., None]
+    return union.reshape(bsz, n_tiles, width_pad), rowbits.reshape(bsz, n_tiles, width_pad), count
+
+
+def _arrange_queries(x: jax.Array, geo: _Geometry, kv_heads: int) -> jax.Array:
+    """``[B, S_q, Hq, D]`` -> ``[B, Hkv, n_tiles * T * G_pad, D_pad]`` (zero padded)."""
+    bsz, s_q, _, d = x.shape
+    n_tiles = -(-s_q // geo.rows)
+    x = jnp.pad(x, ((0, 0), (0, n_tiles * geo.rows - s_q), (0, 0), (0, geo.head_dim_pad - d)))
+    x = x.reshape(bsz, n_tiles, geo.rows, kv_heads, geo.group, geo.head_dim_pad)
+    x = jnp.pad(x, ((0, 0),) * 4 + ((0, geo.group_pad - geo.group), (0, 0)))
+    x = x.transpose(0, 3, 1, 2, 4, 5)
+    return x.reshape(bsz, kv_heads, n_tiles * geo.block_m, geo.head_dim_pad)
+
+
+def _restore_queries(x: jax.Array, geo: _Geometry, s_q: int, head_dim: int) -> jax.Array:
+    """Inverse of :func:`_arrange_queries`."""
+    bsz, kv_heads, total, _ = x.shape
+    n_tiles = total // geo.block_m
+    x = x.reshape(bsz, kv_heads, n_tiles, geo.rows, geo.group_pad, geo.head_dim_pad)
+    x = x[:, :, :, :, : geo.group, :head_dim].transpose(0, 2, 3, 1, 4, 5)
+    return x.reshape(bsz, n_tiles * geo.rows, kv_heads * geo.group, head_dim)[:, :s_q]
+
+
+def _pad_head_dim(x: jax.Array, head_dim_pad: int) -> jax.Array:
+    d = x.shape[-1]
+    return x if d == head_dim_pad else jnp.pad(x, ((0, 0),) * 3 + ((0, head_dim_pad - d),))
+
+
+# ----------------------------------------------------------------------- kernels
+def _dot(a, b, *, trans_b=False, trans_a=False):
+    """fp32-accumulating dot; exact fp32 (no tf32) for fp32 operands."""
+    allow_tf32 = False if a.dtype == jnp.float32 else None
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
+
+
+def _chunk(union_ref, bits_ref, c, geo: _Geometry, rows_of: jax.Array):
+    """IDs of union chunk ``c`` (clamped for addressing) and the [M, BK] membership."""
+    span = pl.ds(c * geo.block_k, geo.block_k)
+    ids = union_ref[span]
+    bits = bits_ref[span]
+    member = (jnp.right_shift(bits[None, :], rows_of[:, None]) & 1) == 1
+    return jnp.maximum(ids, 0), member
+
+
+def _gather(ref, ids, head_dim_pad):
+    return ref[ids[:, None], jnp.arange(head_dim_pad)[None, :]]
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, o_ref, lse_ref, *,
+                    scale: float, geo: _Geometry):
+    m_rows = geo.block_m
+    rows_of = jnp.arange(m_rows, dtype=jnp.int32) // geo.group_pad
+    q = q_ref[...]
+    n_chunks = pl.cdiv(count_ref[0], geo.block_k)
+
+    def body(c, carry):
+        acc, m_prev, l_prev = carry
+        ids, member = _chunk(union_ref, bits_ref, c, geo, rows_of)
+        k = _gather(k_ref, ids, geo.head_dim_pad)
+        v = _gather(v_ref, ids, geo.head_dim_pad)
+        s = jnp.where(member, _dot(q, k, trans_b=True) * scale, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing yet
+        alpha = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
+        l_next = alpha * l_prev + jnp.sum(p, axis=1)
+        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+        return acc, m_next, l_next
+
+    init = (
+        jnp.zeros((m_rows, geo.head_dim_pad), jnp.float32),
+        jnp.full((m_rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((m_rows,), jnp.float32),
+    )
+    acc, m_i, l_i = jax.lax.fori_loop(0, n_chunks, body, init)
+    has = l_i > 0
+    o_ref[...] = jnp.where(has[:, None], acc / jnp.where(has, l_i, 1.0)[:, None], 0.0).astype(
+        o_ref.dtype
+    )
+    lse_ref[...] = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)), jnp.inf)
+
+
+def _backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, union_ref, bits_ref,
+                     count_ref, dk_in_ref, dv_in_ref, dq_ref, dk_ref, dv_ref, *,
+                     scale: float, geo: _Geometry):
+    del dk_in_ref, dv_in_ref  # aliased with dk_ref / dv_ref
+    m_rows = geo.block_m
+    rows_of = jnp.arange(m_rows, dtype=jnp.int32) // geo.group_pad
+    cols = jnp.arange(geo.head_dim_pad)[None, :]
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    n_chunks = pl.cdiv(count_ref[0], geo.block_k)
+
+    def body(c, dq):
+        ids, member = _chunk(union_ref, bits_ref, c, geo, rows_of)
+        k = _gather(k_ref, ids, geo.head_dim_pad)
+        v = _gather(v_ref, ids, geo.head_dim_pad)
+        s = _dot(q, k, trans_b=True) * scale
+        p = jnp.where(member, jnp.exp(s - lse[:, None]), 0.0)
+        dp = _dot(do, v, trans_b=True)
+        ds = p * (dp - delta[:, None])
+        dq = dq + _dot(ds.astype(k.dtype), k)
+        # padding IDs point at row 0 with all-zero contributions
+        jax.ref.addupdate(dv_ref, (ids[:, None], cols), _dot(p.astype(do.dtype), do, trans_a=True))
+        jax.ref.addupdate(dk_ref, (ids[:, None], cols),
+                          scale * _dot(ds.astype(q.dtype), q, trans_a=True))
+        return dq
+
+    dq = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((m_rows, geo.head_dim_pad), jnp.float32))
+    dq_ref[...] = (scale * dq).astype(dq_ref.dtype)
+
+
+# --------------------------------------------------------------------- launchers
+def _specs(geo: _Geometry, kv_length: int, union_width: int):
+    q_spec = pl.BlockSpec((None, None, geo.block_m, geo.head_dim_pad), lambda t, b, g: (b, g, t, 0))
+    row_spec = pl.BlockSpec((None, None, geo.block_m), lambda t, b, g: (b, g, t))
+    kv_spec = pl.BlockSpec((None, kv_length, None, geo.head_dim_pad), lambda t, b, g: (b, 0, g, 0))
+    union_spec = pl.BlockSpec((None, None, union_width), lambda t, b, g: (b, t, 0))
+    count_spec = pl.BlockSpec((None, None, 1), lambda t, b, g: (b, t, 0))
+    return q_spec, row_spec, kv_spec, union_spec, count_spec
+
+
+def _forward(q, k, v, routes, scale, bs: BlockSizes, interpret: bool):
+    bsz, s_q, hq, d = q.shape
+    kv_length, hkv = k.shape[1], k.shape[2]
+    geo = _Geometry.make(hq // hkv, d, bs.block_m, bs.block_k)
+    union, bits, count = tile_route_union(routes, geo.rows, geo.block_k)
+    n_tiles = union.shape[1]
+    q_arr = _arrange_queries(q, geo, hkv)
+    k_pad, v_pad = _pad_head_dim(k, geo.head_dim_pad), _pad_head_dim(v, geo.head_dim_pad)
+    q_spec, row_spec, kv_spec, union_spec, count_spec = _specs(geo, kv_length, union.shape[2])
+    o_arr, lse = pl.pallas_call(
+        functools.partial(_forward_kernel, scale=scale, geo=geo),
+        grid=(n_tiles, bsz, hkv),
+        in_specs=[q_spec, kv_spec, kv_spec, union_spec, union_spec, count_spec],
+        out_specs=[q_spec, row_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct(q_arr.shape, q.dtype),
+            jax.ShapeDtypeStruct(q_arr.shape[:3], jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        name="qsa_forward",
+    )(q_arr, k_pad, v_pad, union, bits, count)
+    return _restore_queries(o_arr, geo, s_q, d), (o_arr, lse, geo)
+
+
+def _backward(q, k, v, routes, o_arr_fwd, lse_fwd, geo_fwd, do, scale, bs: BlockSizes, interpret):
+    bsz, s_q, hq, d = q.shape
+    kv_length, hkv = k.shape[1], k.shape[2]
+    geo = _Geometry.make(hq // hkv, d, bs.block_m_bwd, bs.block_k_bwd)
+    # LSE and delta in the backward tile arrangement
+    o = _restore_queries(o_arr_fwd, geo_fwd, s_q, d)
+    lse_rows = _restore_queries(lse_fwd[..., None], dataclasses.replace(geo_fwd, head_dim_pad=1), s_q, 1)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+    as_rows = lambda x: _arrange_queries(x, dataclasses.replace(geo, head_dim_pad=1), hkv)[..., 0]  # noqa: E731
+    lse, delta = as_rows(lse_rows), as_rows(delta)
+    union, bits, count = tile_route_union(routes, geo.rows, geo.block_k)
+    n_tiles = union.shape[1]
+    q_arr, do_arr = _arrange_queries(q, geo, hkv), _arrange_queries(do, geo, hkv)
+    k_pad, v_pad = _pad_head_dim(k, geo.head_dim_pad), _pad_head_dim(v, geo.head_dim_pad)
+    acc_shape = (bsz, kv_length, hkv, geo.head_dim_pad)
+    zeros = jnp.zeros(acc_shape, jnp.float32)
+    q_spec, row_spec, kv_spec, union_spec, count_spec = _specs(geo, kv_length, union.shape[2])
+    dq_arr, dk, dv = pl.pallas_call(
+        functools.partial(_backward_kernel, scale=scale, geo=geo),
+        grid=(n_tiles, bsz, hkv),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, union_spec, union_spec,
+                  count_spec, kv_spec, kv_spec],
+        out_specs=[q_spec, kv_spec, kv_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct(q_arr.shape, q.dtype),
+            jax.ShapeDtypeStruct(acc_shape, jnp.float32),
+            jax.ShapeDtypeStruct(acc_shape, jnp.float32),
+        ],
+        input_output_aliases={9: 1, 10: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd),
+        interpret=interpret,
+        name="qsa_backward",
+    )(q_arr, k_pad, v_pad, do_arr, lse, delta, union, bits, count, zeros, zeros)
+    dq = _restore_queries(dq_arr, geo, s_q, d)
+    return dq, dk[..., :d].astype(k.dtype), dv[..., :d].astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _qsa(q, k, v, routes, scale, block_sizes, interpret):
+    return _forward(q, k, v, routes, scale, block_sizes, interpret)[0]
+
+
+def _qsa_fwd(q, k, v, routes, scale, block_sizes, interpret):
+    out, (o_arr, lse, geo) = _forward(q, k, v, routes, scale, block_sizes, interpret)
+    return out, (q, k, v, routes, o_arr, lse)
+
+
+def _qsa_bwd(scale, block_sizes, interpret, residuals, do):
+    q, k, v, routes, o_arr, lse = residuals
+    geo_fwd = _Geometry.make(
+        q.shape[2] // k.shape[2], q.shape[3], block_sizes.block_m, block_sizes.block_k
+    )
+    dq, dk, dv = _backward(q, k, v, routes, o_arr, lse, geo_fwd, do, scale, block_sizes, interpret)
+    return dq, dk, dv, None
+
+
+_qsa.defvjp(_qsa_fwd, _qsa_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret"))
+def _run(q, k, v, routes, *, scale, block_sizes, interpret):
+    # clip to [-1, S_kv) here so kernels never see an out-of-range ID
+    kv_length = k.shape[1]
+    routes = jnp.where((routes >= 0) & (routes < kv_length), routes, -1).astype(jnp.int32)
+    return _qsa(q, k, v, routes, scale, block_sizes, interpret)
+
+
+def pallas_sparse_gqa_attention(
+    query,
+    key,
+    value,
+    selected_token_ids,
+    softmax_scale: float | None = None,
+    *,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
+):
+    """Route-sparse GQA with the Pallas Triton kernels (forward and custom_vjp backward).
+
+    Shapes and semantics as :func:`qsa_jax.sparse_gqa_attention`: query
+    ``[B,S_q,Hq,D]``, key/value ``[B,S_kv,Hkv,D]`` (bf16, f16 or f32; D <= 256),
+    routes ``[B,S_q,K]``; output in query's dtype. ``interpret`` defaults to
+    True when the default JAX backend is not a GPU. dK/dV are accumulated with
+    fp32 atomics: not bitwise deterministic.
+
+    Raises:
+        NotImplementedError: f64 inputs or D > 256 (use ``implementation="xla"``).
+    """
+    routes = prepare_routes(selected_token_ids)
+    checked = validate_inputs(query, key, value, routes, softmax_scale)
+    if jnp.dtype(query.dtype) == jnp.float64:
+        raise NotImplementedError("the Pallas kernels take bf16/f16/f32, not float64")
+    if checked.dims.head_dim > 256:
+        raise NotImplementedError(f"the Pallas kernels support head dim <= 256, got {checked.dims.head_dim}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if block_sizes is None:
+        block_sizes = BlockSizes.default(checked.dims.head_dim, interpret)
+    return _run(query, key, value, routes, scale=checked.scale, block_sizes=block_sizes,
+                interpret=bool(interpret))
+

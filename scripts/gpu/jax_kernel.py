@@ -1,0 +1,200 @@
+"""GPU check and timing of the JAX Pallas kernels (run on the H200 host).
+
+    python3 scripts/gpu/jax_kernel.py --out $OUT [--check] [--time] [--sizes 8192,32768]
+
+--check: bf16 out/dq/dk/dv vs the XLA reference on padded, packed and CP layouts,
+(24,2) and (12,1), D=256, QSA routes (top_k 512) and adversarial routes.
+--time: forward and forward+backward medians of the Pallas kernels (several block
+configurations) and of dense causal cuDNN attention in the same run, on QSA-format
+routes, B=1, (24,2), D=256; plus the time of the union preprocessing alone.
+Writes jax_kernel.json and jax_kernel.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def timed(fn, *args, warmup=2, iters=10):
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e3)
+
+
+def rel(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def check(results, seq_len):
+    import jax
+    import jax.numpy as jnp
+
+    from qsa_common.layouts import make_problem
+    from qsa_jax.pallas_qsa import pallas_sparse_gqa_attention
+    from qsa_jax.routes import prepare_routes
+    from qsa_jax.xla_reference import reference_sparse_gqa_attention
+
+    rng = np.random.default_rng(0)
+    for heads in ((24, 2), (12, 1)):
+        for layout, fam in (("padded", "qsa"), ("packed", "qsa"), ("cp", "qsa"), ("packed", "adversarial")):
+            name = f"{layout}/{fam}/{heads}"
+            try:
+                kw = dict(top_k=512) if fam == "qsa" else dict(width=256)
+                prob = make_problem(layout, fam, seed=int(rng.integers(1 << 30)), seq_len=seq_len,
+                                    batch=2, **kw)
+                b, s_q = prob.routes.shape[:2]
+                hq, hkv = heads
+                key = jax.random.key(int(rng.integers(1 << 30)))
+                k1, k2, k3, k4 = jax.random.split(key, 4)
+                q = jax.random.normal(k1, (b, s_q, hq, 256), jnp.bfloat16)
+                k = jax.random.normal(k2, (b, prob.kv_length, hkv, 256), jnp.bfloat16)
+                v = jax.random.normal(k3, (b, prob.kv_length, hkv, 256), jnp.bfloat16)
+                do = jax.random.normal(k4, (b, s_q, hq, 256), jnp.bfloat16)
+                routes = jnp.asarray(prepare_routes(prob.routes))
+                outs = {}
+                # the reference runs in fp32 on the same bf16-rounded inputs
+                for impl, fn, dt in (("pallas", pallas_sparse_gqa_attention, jnp.bfloat16),
+                                     ("xla", reference_sparse_gqa_attention, jnp.float32)):
+                    # routes are a jit argument: as a closed-over constant XLA would
+                    # constant-fold the route sorts for minutes
+                    f = jax.jit(lambda q, k, v, do, r, fn=fn: (lambda o, vjp: (o, *vjp(do)))(
+                        *jax.vjp(lambda a, b_, c: fn(a, b_, c, r, 1 / 16), q, k, v)))
+                    args = [x.astype(dt) for x in (q, k, v, do)]
+                    outs[impl] = [np.asarray(x.astype(jnp.float32)) for x in f(*args, routes)]
+                errs = {n: rel(a, b_) for n, a, b_ in zip(("out", "dq", "dk", "dv"), outs["pallas"], outs["xla"])}
+                empty = ~np.any((prob.routes >= 0) & (prob.routes < prob.kv_length), axis=-1)
+                zero_ok = bool(np.all(outs["pallas"][0][empty] == 0) and np.all(outs["pallas"][1][empty] == 0))
+                ok = all(e < 1e-2 for e in errs.values()) and zero_ok
+                results["check"][name] = dict(errors=errs, empty_rows=int(empty.sum()), empty_exact_zero=zero_ok, ok=ok)
+                log(f"check {name}: {errs} empty={int(empty.sum())} zeros={zero_ok} {'PASS' if ok else 'FAIL'}")
+            except Exception as err:  # keep going
+                results["check"][name] = dict(error=repr(err), trace=traceback.format_exc()[-2000:])
+                log(f"check {name}: ERROR {err!r}")
+
+
+def timing(results, sizes, configs):
+    import jax
+    import jax.numpy as jnp
+
+    from qsa_common.generators import qsa_format_routes
+    from qsa_jax.pallas_qsa import BlockSizes, pallas_sparse_gqa_attention, tile_route_union
+
+    hq, hkv, d = 24, 2, 256
+    for s in sizes:
+        t0 = time.time()
+        routes_np = qsa_format_routes(s, top_k=512, rng=np.random.default_rng(s))[None].astype(np.int32)
+        n_routes = int((routes_np >= 0).sum())
+        log(f"S={s}: routes generated in {time.time() - t0:.1f}s, sum|R|={n_routes}")
+        flops_fwd = 4.0 * n_routes * hq * d
+        key = jax.random.key(s)
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        q = jax.random.normal(k1, (1, s, hq, d), jnp.bfloat16)
+        k = jax.random.normal(k2, (1, s, hkv, d), jnp.bfloat16)
+        v = jax.random.normal(k3, (1, s, hkv, d), jnp.bfloat16)
+        do = jax.random.normal(k4, (1, s, hq, d), jnp.bfloat16)
+        routes = jnp.asarray(routes_np)
+        row = results["time"].setdefault(str(s), {"sum_routes": n_routes})
+
+        def fwd_bwd(fn):
+            def run(q, k, v, do, *rest):
+                o, vjp = jax.vjp(lambda a, b_, c: fn(a, b_, c, *rest), q, k, v)
+                return vjp(do)
+            return jax.jit(run)
+
+        try:
+            dense = lambda a, b_, c: jax.nn.dot_product_attention(a, b_, c, is_causal=True, scale=1 / 16,
+                                                                  implementation="cudnn")
+            row["dense_fwd_ms"] = timed(jax.jit(dense), q, k, v)
+            row["dense_fwdbwd_ms"] = timed(fwd_bwd(dense), q, k, v, do)
+            log(f"S={s} dense cudnn: fwd {row['dense_fwd_ms']:.2f} ms, fwd+bwd {row['dense_fwdbwd_ms']:.2f} ms")
+        except Exception as err:
+            row["dense_error"] = repr(err)
+            log(f"S={s} dense: ERROR {err!r}")
+        for label, cfg in configs:
+            try:
+                bs = BlockSizes(**cfg)
+                pre = jax.jit(lambda r, bs=bs: tile_route_union(r, max(1, min(16, bs.block_m // 16)), bs.block_k))
+                fn = lambda a, b_, c, r, bs=bs: pallas_sparse_gqa_attention(a, b_, c, r, 1 / 16, block_sizes=bs)
+                entry = dict(config=cfg)
+                entry["union_ms"] = timed(pre, routes)
+                entry["fwd_ms"] = timed(jax.jit(fn), q, k, v, routes)
+                entry["fwdbwd_ms"] = timed(fwd_bwd(fn), q, k, v, do, routes, iters=5)
+                entry["fwd_tflops"] = flops_fwd / entry["fwd_ms"] / 1e9
+                entry["fwdbwd_tflops"] = 3.5 * flops_fwd / entry["fwdbwd_ms"] / 1e9
+                stats = jax.devices()[0].memory_stats() or {}
+                entry["peak_bytes"] = stats.get("peak_bytes_in_use")
+                if "dense_fwdbwd_ms" in row:
+                    entry["ratio_fwdbwd_to_dense"] = entry["fwdbwd_ms"] / row["dense_fwdbwd_ms"]
+                    entry["ratio_fwd_to_dense"] = entry["fwd_ms"] / row["dense_fwd_ms"]
+                row[label] = entry
+                log(f"S={s} pallas {label}: union {entry['union_ms']:.2f} ms, fwd {entry['fwd_ms']:.2f} ms "
+                    f"({entry['fwd_tflops']:.0f} TFLOP/s), fwd+bwd {entry['fwdbwd_ms']:.2f} ms "
+                    f"({entry['fwdbwd_tflops']:.0f} TFLOP/s) ratio {entry.get('ratio_fwdbwd_to_dense', float('nan')):.2f}")
+            except Exception as err:
+                row[label] = dict(config=cfg, error=repr(err), trace=traceback.format_exc()[-3000:])
+                log(f"S={s} pallas {label}: ERROR {err!r}")
+
+
+CONFIGS = {
+    "default": dict(),
+    "m128k32": dict(block_k=32),
+    "bwd_m128": dict(block_m_bwd=128, block_k_bwd=32),
+    "bwd_m64k64": dict(block_k_bwd=64),
+    "w4": dict(num_warps=4, num_warps_bwd=4),
+    "s3": dict(num_stages=3),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="jax-kernel-out")
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--check-len", type=int, default=8192)
+    parser.add_argument("--time", action="store_true")
+    parser.add_argument("--sizes", default="8192,32768")
+    parser.add_argument("--configs", default="default")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    import jax
+
+    results = dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], check={}, time={})
+    log(results["jax"], results["devices"])
+    try:
+        if args.check:
+            check(results, args.check_len)
+        if args.time:
+            configs = [(c, CONFIGS[c]) for c in args.configs.split(",")]
+            timing(results, [int(s) for s in args.sizes.split(",")], configs)
+    finally:
+        with open(os.path.join(args.out, "jax_kernel.json"), "w") as fh:
+            json.dump(results, fh, indent=1)
+    log(json.dumps({k: v for k, v in results.items() if k == "time"}, indent=1)[:4000])
+
+
+if __name__ == "__main__":
+    main()

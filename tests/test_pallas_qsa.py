@@ -1,0 +1,144 @@
+"""The JAX Pallas kernels (interpret mode on CPU; natively where a GPU is present)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from contract_base import BackendContract, random_inputs
+from runners import run_jax
+from qsa_common.generators import adversarial_routes
+from qsa_common.layouts import make_problem
+from qsa_common.oracle import oracle_forward_backward, relative_error
+
+
+def pallas(*args, **kw):
+    from qsa_jax import sparse_gqa_attention
+
+    return sparse_gqa_attention(*args, implementation="pallas", interpret=True, **kw)
+
+
+class TestPallasInterpret(BackendContract):
+    heads = ((4, 2), (3, 1))  # G = 2 and 3 (padded to 4)
+    seq_len = 24
+
+    def run(self, q, k, v, routes, scale, grad_out, dtype):
+        return run_jax(pallas, q, k, v, routes, scale, grad_out, dtype)
+
+
+class TestPallasInterpretBf16(TestPallasInterpret):
+    dtypes = ("bfloat16",)
+    heads = ((2, 2),)
+    layouts = ("packed",)
+
+
+def test_tile_union_matches_brute_force():
+    import jax.numpy as jnp
+
+    from qsa_jax.pallas_qsa import tile_route_union
+
+    rng = np.random.default_rng()
+    routes = adversarial_routes(21, width=7, rng=rng)[None]
+    clipped = np.where((routes >= 0) & (routes < 21), routes, -1).astype(np.int32)
+    rows, block_k = 4, 16
+    union, bits, count = (np.asarray(x) for x in tile_route_union(jnp.asarray(clipped), rows, block_k))
+    assert union.shape == bits.shape == (1, 6, 32) and count.shape == (1, 6, 1)
+    for t in range(6):
+        tile = clipped[0, t * rows : (t + 1) * rows]
+        want = sorted({int(r) for r in tile.ravel() if r >= 0})
+        n = len(want)
+        assert count[0, t, 0] == n
+        assert union[0, t, :n].tolist() == want and (union[0, t, n:] == -1).all()
+        for u, ident in enumerate(want):
+            expect = sum(1 << j for j, row in enumerate(tile) if ident in row)
+            assert bits[0, t, u] == expect
+        assert (bits[0, t, n:] == 0).all()
+
+
+def test_grad_jit_vmap_and_block_sizes():
+    import jax
+    import jax.numpy as jnp
+
+    from qsa_jax.pallas_qsa import BlockSizes
+
+    rng = np.random.default_rng()
+    problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=20, top_k=2)
+    q, k, v, do = random_inputs(rng, problem.routes, 20, (2, 1), 8, "float32")
+    routes = jnp.asarray(problem.routes.astype(np.int32))
+    stack = lambda x: jnp.asarray(np.stack([x, -x]), jnp.float32)  # noqa: E731
+    bs = BlockSizes(block_m=32, block_k=16, block_m_bwd=16, block_k_bwd=16)
+
+    def loss(q, k, v):
+        out = jax.vmap(lambda a, b, c: pallas(a, b, c, routes, 0.4, block_sizes=bs))(q, k, v)
+        return jnp.sum(out * stack(do))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(stack(q), stack(k), stack(v))
+    for i, sign in enumerate((1, -1)):
+        want = oracle_forward_backward(sign * q, sign * k, sign * v, problem.routes, 0.4, sign * do)
+        for g, w in zip(grads, want[1:]):
+            assert relative_error(np.asarray(g[i]), w) < 1e-5
+
+
+def test_poisoned_outputs_are_overwritten(monkeypatch):
+    """Every output buffer starts as NaN (aliased in): the kernels must write every element."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    from qsa_jax import pallas_qsa
+
+    original = pl.pallas_call
+    poisoned = []
+
+    def poisoning_call(kernel, out_shape, *, in_specs, out_specs, input_output_aliases=None, **kw):
+        aliases = dict(input_output_aliases or {})
+        fresh = [j for j in range(len(out_shape)) if j not in aliases.values()]
+        n_in = len(in_specs)
+
+        def kernel_with_poison(*refs):
+            kernel(*refs[:n_in], *refs[n_in + len(fresh):])
+
+        aliases.update({n_in + i: j for i, j in enumerate(fresh)})
+        call = original(kernel_with_poison, out_shape,
+                        in_specs=list(in_specs) + [out_specs[j] for j in fresh],
+                        out_specs=out_specs, input_output_aliases=aliases, **kw)
+        poisoned.append(kw.get("name"))
+        return lambda *args: call(*args, *(jnp.full(out_shape[j].shape, jnp.nan, out_shape[j].dtype)
+                                           for j in fresh))
+
+    monkeypatch.setattr(pallas_qsa.pl, "pallas_call", poisoning_call)
+    rng = np.random.default_rng()
+    problem = make_problem("padded", "adversarial", seed=int(rng.integers(2**31)), seq_len=16, width=8)
+    q, k, v, do = random_inputs(rng, problem.routes, 16, (4, 2), 8, "float32")
+    out, vjp = jax.vjp(lambda a, b, c: pallas(a, b, c, problem.routes), *map(jnp.asarray, (q, k, v)))
+    grads = vjp(jnp.asarray(do))
+    assert set(poisoned) == {"qsa_forward", "qsa_backward"}
+    want = oracle_forward_backward(q, k, v, problem.routes, 8**-0.5, do)
+    for got, ref in zip((out, *grads), want):
+        assert relative_error(np.asarray(got), ref) < 1e-5
+
+
+def test_float64_and_large_head_dim_are_refused():
+    import jax.numpy as jnp
+
+    from qsa_jax.pallas_qsa import pallas_sparse_gqa_attention
+
+    routes = np.zeros((1, 4, 2), np.int32)
+    with pytest.raises(NotImplementedError, match="head dim"):
+        x = jnp.zeros((1, 4, 1, 512), jnp.float32)
+        pallas_sparse_gqa_attention(x, x, x, routes, interpret=True)
+
+
+def test_implementation_list_falls_back_with_reasons():
+    import jax.numpy as jnp
+
+    from qsa_jax import sparse_gqa_attention
+
+    x = jnp.ones((1, 4, 1, 512), jnp.float32)
+    routes = np.zeros((1, 4, 2), np.int32)
+    out = sparse_gqa_attention(x, x, x, routes, implementation=["pallas", "xla"], interpret=True)
+    assert out.shape == x.shape
+    with pytest.raises(NotImplementedError, match="pallas: .*head dim"):
+        sparse_gqa_attention(x, x, x, routes, implementation=["pallas"], interpret=True)
+    with pytest.raises(ValueError, match="unknown implementation"):
+        sparse_gqa_attention(x, x, x, routes, implementation="cuda")
