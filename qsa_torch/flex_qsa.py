@@ -1,0 +1,301 @@
+"""Route-sparse GQA through PyTorch FlexAttention (``flex_qsa``).
+
+Every layout (right-padded batches, packed THD rows, context-parallel shards
+with ``S_q != S_kv``) is the same problem here: query row ``(b, i)`` attends to
+the set of its valid route IDs. The routes become a boolean membership table
+``[B, S_q, S_kv]``; the table is reduced per 128x128 tile into a FlexAttention
+``BlockMask`` (empty tiles are skipped, full tiles run without the mask
+callback, partial tiles read the table), and FlexAttention computes the
+attention without a dense score tensor. Rows without a valid route give exact
+zeros and contribute nothing to any gradient.
+
+Devices:
+
+* CUDA: FlexAttention is compiled with ``torch.compile`` on the first CUDA call
+  (never at import); forward and backward. One compilation per distinct shape
+  (``dynamic=False``); the fresh mask callback of each call does not recompile.
+  Past the process's dynamo recompile limit (``torch._dynamo.config.recompile_limit``,
+  8 by default) torch falls back to uncompiled FlexAttention, which materialises
+  the scores: raise the limit in programs that see many shapes.
+* CPU: the same code runs FlexAttention uncompiled, forward only and for small
+  shapes (that path materialises the ``[B, Hq, S_q, S_kv]`` scores). FlexAttention
+  has no CPU backward; asking for gradients on CPU raises ``NotImplementedError``.
+
+Memory: the membership table costs ``B * S_q * S_kv`` bytes (2.4 GB for one
+49152-token sequence), about twice that while it is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+
+from .routes import ProblemDims, membership_table, validate_inputs
+
+__all__ = ["flex_sparse_gqa_attention"]
+
+# FlexAttention's sparse tile (query rows x key rows) of the BlockMask.
+_TILE = 128
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def _compiled_flex():
+    """``torch.compile(flex_attention)``, built on first use.
+
+    Cached so that every call shares one compiled function; importing this
+    module never imports inductor.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _membership_flat_offset(
+    batch_idx: torch.Tensor,
+    query_idx: torch.Tensor,
+    kv_idx: torch.Tensor,
+    query_length: int,
+    kv_length: int,
+) -> torch.Tensor:
+    """int64 offset of ``[batch_idx, query_idx, kv_idx]`` in a flattened
+    ``[B, query_length, kv_length]`` table.
+
+    FlexAttention hands the mask callback int32 coordinates and inlines the
+    callback into its kernels, so ``query_idx * kv_length`` in int32 wraps as
+    soon as the table has more than 2**31 entries (one square sequence of
+    46341 tokens): the last query rows then read another row's mask, or fault.
+    Widening every operand first keeps the generated address arithmetic int64.
+    Coordinates must already be in range.
+    """
+    b = batch_idx.to(torch.int64)
+    q = query_idx.to(torch.int64)
+    kv = kv_idx.to(torch.int64)
+    return (b * query_length + q) * kv_length + kv
+
+
+def _routes_to_membership(
+    selected_token_ids: torch.Tensor, kv_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Membership table of the routes and which rows have any route.
+
+    Args:
+        selected_token_ids: ``[B, S_q, K]`` signed int32/int64 IDs in K/V
+            coordinates; IDs outside ``[0, kv_length)`` are padding.
+        kv_length: S_kv.
+
+    Returns:
+        ``table``: contiguous bool ``[B, S_q, kv_length]`` on the routes'
+        device, True where the ID is a route of the row (duplicates collapse).
+        Contiguity is what makes it kernel-safe: the mask callback addresses it
+        as one flat buffer through :func:`_membership_flat_offset`.
+        ``has_route``: bool ``[B, S_q]``, True where the row has a valid route.
+    """
+    table = membership_table(selected_token_ids, kv_length)
+    ids = selected_token_ids
+    # from the routes (K per row), not from the table (S_kv per row)
+    has_route = ((ids >= 0) & (ids < kv_length)).any(dim=-1)
+    return table, has_route
+
+
+def _tile_counts(table: torch.Tensor) -> torch.Tensor:
+    """Member cells per ``_TILE x _TILE`` tile: int32 ``[B, ceil(S_q/T), ceil(S_kv/T)]``.
+
+    Two reductions over views of the table (along keys, then along query rows);
+    the ragged last tiles are summed over their in-range cells only.
+    """
+    bsz, s_q, s_kv = table.shape
+    n_q, n_kv = -(-s_q // _TILE), -(-s_kv // _TILE)
+    whole = s_kv // _TILE
+    # The first reduction reads the table as uint8 and sums into uint8 (at most
+    # _TILE = 128 per row and tile): any wider dtype would make torch cast the
+    # whole table first, a temporary several times the table's size.
+    cells = table.view(torch.uint8)
+    per_row = torch.zeros(bsz, s_q, n_kv, dtype=torch.uint8, device=table.device)
+    if whole:
+        per_row[..., :whole] = (
+            cells[..., : whole * _TILE].unflatten(-1, (whole, _TILE)).sum(-1, dtype=torch.uint8)
+        )
+    if whole < n_kv:
+        per_row[..., whole] = cells[..., whole * _TILE :].sum(-1, dtype=torch.uint8)
+    per_row = torch.nn.functional.pad(per_row.to(torch.int32), (0, 0, 0, n_q * _TILE - s_q))
+    return per_row.view(bsz, n_q, _TILE, n_kv).sum(2, dtype=torch.int32)
+
+
+def _block_lists(present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool ``[B, n_q, n_kv]`` -> counts int32 ``[B, 1, n_q]`` and ascending
+    column indices int32 ``[B, 1, n_q, n_kv]`` (entries past the count are
+    the absent columns, which FlexAttention never reads)."""
+    counts = present.sum(-1, dtype=torch.int32)
+    order = torch.argsort(present.to(torch.uint8), dim=-1, descending=True, stable=True)
+    return counts[:, None].contiguous(), order.to(torch.int32)[:, None].contiguous()
+
+
+def _tile_kinds(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool ``[B, n_q, n_kv]`` partial and full tiles of the table.
+
+    A tile is full when all ``_TILE * _TILE`` of its cells are members, which
+    only an in-range tile can be; ragged edge tiles are at most partial, so the
+    callback always sees them. A tile with no member is neither.
+    """
+    counts = _tile_counts(table)
+    full = counts == _TILE * _TILE
+    return (counts > 0) & ~full, full
+
+
+def _membership_mask_mod(table: torch.Tensor):
+    """FlexAttention ``mask_mod`` reading ``table`` ``[B, S_q, S_kv]`` (contiguous)."""
+    _, query_length, kv_length = table.shape
+    flat = table.view(-1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        # FlexAttention keeps ragged-edge coordinates in range itself; the clamp
+        # makes any out-of-range coordinate read a real cell, never stray memory.
+        q = q_idx.clamp(0, query_length - 1)
+        kv = kv_idx.clamp(0, kv_length - 1)
+        return flat[_membership_flat_offset(b, q, kv, query_length, kv_length)]
+
+    return mask_mod
+
+
+def _block_mask_from_table(table: torch.Tensor):
+    """The FlexAttention ``BlockMask`` of ``table`` (one head, broadcast to all)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    partial, full = _tile_kinds(table)
+    kv_num_blocks, kv_indices = _block_lists(partial)
+    full_kv_num_blocks, full_kv_indices = _block_lists(full)
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks=kv_num_blocks,
+        kv_indices=kv_indices,
+        full_kv_num_blocks=full_kv_num_blocks,
+        full_kv_indices=full_kv_indices,
+        BLOCK_SIZE=_TILE,
+        mask_mod=_membership_mask_mod(table),
+        seq_lengths=(table.shape[1], table.shape[2]),
+    )
+
+
+def _run_flex(query, key, value, block_mask, scale: float) -> torch.Tensor:
+    """FlexAttention on ``[B, S, H, D]`` tensors, as it is: no empty-row fix."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if query.device.type == "cuda":
+        out = _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    else:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # FlexAttention refuses CPU inputs that require grad even under no_grad
+        q, k, v = (t.detach() for t in (q, k, v))
+        with warnings.catch_warnings():
+            # the unfused CPU path is intended here (small forward-only shapes)
+            warnings.filterwarnings("ignore", message=".*without torch.compile")
+            out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def _table_build_bytes(dims: ProblemDims) -> int:
+    """Device bytes to build the table and its tile lists (an upper estimate).
+
+    The table itself is ``B * S_q * S_kv`` bytes; while it is built a padded
+    scatter buffer of the same size also lives, plus int64 copies of the routes
+    and the per-row tile counts.
+    """
+    rows = dims.batch * dims.query_length
+    table = rows * dims.kv_length
+    scatter = rows * (dims.kv_length + 1)
+    routes = rows * dims.routes_per_query * (3 * 8 + 2)
+    per_row_tiles = rows * math.ceil(dims.kv_length / _TILE) * 4
+    return table + scatter + routes + per_row_tiles
+
+
+def _check_table_fits(dims: ProblemDims, available_bytes: int) -> None:
+    """Raise ``torch.OutOfMemoryError`` (a RuntimeError) unless the table fits."""
+    need = _table_build_bytes(dims)
+    if need > available_bytes:
+        table = dims.batch * dims.query_length * dims.kv_length
+        raise torch.OutOfMemoryError(
+            "flex_sparse_gqa_attention: the membership table for selected_token_ids "
+            f"[B={dims.batch}, S_q={dims.query_length}] over S_kv={dims.kv_length} keys "
+            f"takes {table / 2**30:.2f} GiB (B*S_q*S_kv bytes), about {need / 2**30:.2f} GiB "
+            f"while it is built, but only {available_bytes / 2**30:.2f} GiB of device memory "
+            "is free; use shorter sequences, fewer rows per call, or a token-gather backend"
+        )
+
+
+def _available_cuda_bytes(device: torch.device) -> int:
+    """Free device memory plus what the caching allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + cached)
+
+
+def flex_sparse_gqa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    selected_token_ids: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Route-sparse GQA computed by FlexAttention.
+
+    Args:
+        query: ``[B, S_q, Hq, D]``, bf16, fp16 or fp32 (bf16 is the fast path).
+        key: ``[B, S_kv, Hkv, D]``, query's dtype and device; Hq % Hkv == 0.
+            S_kv may differ from S_q (a context-parallel shard against the
+            gathered global K/V).
+        value: key's shape, dtype and device.
+        selected_token_ids: ``[B, S_q, K]`` signed int32/int64 route IDs in K/V
+            coordinates; negative, ``>= S_kv`` and huge IDs are padding,
+            duplicates count once. No other mask is added.
+        softmax_scale: finite positive scale, default ``1/sqrt(D)``.
+
+    Returns:
+        ``[B, S_q, Hq, D]`` in query's dtype. Rows without a valid route are
+        exactly 0, with exactly zero dq and no contribution to dk/dv.
+
+    Device and gradients: on CUDA, forward and backward through the compiled
+    kernel. On CPU, forward only (uncompiled, small shapes): if autograd is on
+    (``torch.is_grad_enabled()``) and any of query/key/value requires grad,
+    ``NotImplementedError`` is raised before any work; call it under
+    ``torch.no_grad()`` or with detached inputs for a CPU forward.
+
+    Memory: the membership table takes ``B * S_q * S_kv`` bytes (about twice
+    that while built). On CUDA the call first checks that this fits the free
+    device memory and otherwise raises ``torch.OutOfMemoryError``.
+
+    Raises:
+        ValueError: bad shapes, heads, devices (also a device other than CUDA
+            or CPU), empty dimensions, or scale value.
+        TypeError: a dtype other than bf16/fp16/fp32, mixed dtypes, or routes
+            that are not signed int32/int64; a non-real scale.
+        NotImplementedError: gradients requested on CPU.
+        torch.OutOfMemoryError: (a RuntimeError) the table does not fit on the GPU.
+    """
+    checked = validate_inputs(
+        query, key, value, selected_token_ids, softmax_scale, dtypes=_DTYPES
+    )
+    dims = checked.dims
+    device = query.device
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(
+            f"query is on {device}; flex_sparse_gqa_attention runs on CUDA or CPU only"
+        )
+    if device.type == "cpu" and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value)
+    ):
+        raise NotImplementedError(
+            "flex_sparse_gqa_attention: gradients need a CUDA device; FlexAttention has "
+            "no CPU backward. On CPU call it under torch.no_grad() or with inputs that "
+            "do not require grad (forward only)."
+        )
+    if device.type == "cuda":
+        _check_table_fits(dims, _available_cuda_bytes(device))
+    table, has_route = _routes_to_membership(selected_token_ids, dims.kv_length)
+    block_mask = _block_mask_from_table(table)
+    out = _run_flex(query, key, value, block_mask, checked.scale)
+    # where(), not a multiply: exact zeros even if the kernel left NaN there,
+    # and its backward passes a zero gradient into the kernel for those rows.
+    return torch.where(has_route[:, :, None, None], out, out.new_zeros(()))
