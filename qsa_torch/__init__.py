@@ -7,12 +7,14 @@ torch and numpy.
 """
 
 from .cudnn_qsa import cudnn_sparse_gqa_attention
+from .fa4_qsa import fa4_sparse_gqa_attention
 from .flex_qsa import flex_sparse_gqa_attention
 from .reference import reference_sparse_gqa_attention
 from .routes import generate_problem, membership_table, normalize_routes, validate_inputs
 
 __all__ = [
     "cudnn_sparse_gqa_attention",
+    "fa4_sparse_gqa_attention",
     "flex_sparse_gqa_attention",
     "generate_problem",
     "membership_table",
