@@ -10,6 +10,7 @@ from .cudnn_qsa import cudnn_sparse_gqa_attention
 from .fa4_qsa import fa4_sparse_gqa_attention
 from .flex_qsa import flex_sparse_gqa_attention
 from .reference import reference_sparse_gqa_attention
+from .triton_qsa import triton_sparse_gqa_attention
 from .routes import generate_problem, membership_table, normalize_routes, validate_inputs
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "membership_table",
     "normalize_routes",
     "reference_sparse_gqa_attention",
+    "triton_sparse_gqa_attention",
     "validate_inputs",
 ]

@@ -14,6 +14,10 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     ).strip()
 
+# Without a GPU, Triton kernels run in its interpreter; must precede any triton import.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # make `import contract_base` / `import runners` work from any test module
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -1,0 +1,350 @@
+"""Token-gather QSA in Triton: work proportional to the routes, not to S^2.
+
+The algorithm is the one of ``docs/design-token-gather.md`` (shared with the JAX
+Pallas backend). Query rows are grouped in tiles of T consecutive rows; torch ops
+build, per tile, the sorted union of the routes of its rows and a per-ID bitmask of
+which rows route there (:func:`build_tile_unions`). One Triton program per (tile,
+KV head, head chunk) then walks that union in chunks of ``block_k`` IDs, gathers
+each K/V row once for all T * heads matrix rows, and runs an fp32 online softmax
+(forward, saving the log-sum-exp) or the fused backward (dQ kept in registers,
+dK/dV added to fp32 accumulators with one atomic add per union chunk).
+
+Triton is imported on the first call only. CUDA tensors are required, except that
+CPU tensors are accepted when Triton's interpreter is on (``TRITON_INTERPRET=1``
+in the environment before this backend's first call), which is how CPU CI runs
+the kernels. Nothing synchronises with the host: the union width is static
+(``T * K``, capped at ``S_kv``) and each program reads its tile's union length.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .routes import normalize_routes, validate_inputs
+
+__all__ = [
+    "BlockSizes",
+    "DEFAULT_BLOCK_SIZES",
+    "SAFE_BLOCK_SIZES",
+    "TileUnions",
+    "build_tile_unions",
+    "default_block_sizes",
+    "triton_sparse_gqa_attention",
+]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_ROWS_PER_TILE = 32  # rowbits is an int32 bitmask
+_MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """Launch configuration of the two kernels.
+
+    ``block_m``: target matrix rows (query row x head pairs) of a forward program;
+    it fixes the tile height T = min(32, block_m // G_pad) (G_pad = Hq/Hkv rounded up
+    to a power of two) and so the route unions shared by forward and backward.
+    ``block_k``: union IDs gathered per step. ``backward_block_m`` may be smaller than
+    the forward's T * G_pad: the backward then splits each tile's heads over several
+    programs (same T, same unions). All block sizes are powers of two >= 16.
+    """
+
+    block_m: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    backward_block_m: int = 64
+    backward_block_k: int = 32
+    backward_num_warps: int = 8
+    backward_num_stages: int = 1
+
+    def __post_init__(self):
+        for name in ("block_m", "block_k", "backward_block_m", "backward_block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {value!r}")
+        for name in ("num_warps", "num_stages", "backward_num_warps", "backward_num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
+
+
+# Tuned-later defaults: H200 at D = 256 starts from the issue's values; other
+# devices and head dims get the same shape with lighter backward tiles.
+DEFAULT_BLOCK_SIZES = BlockSizes()
+SAFE_BLOCK_SIZES = BlockSizes(block_m=64, block_k=32, num_warps=4, num_stages=2,
+                              backward_block_m=32, backward_block_k=32,
+                              backward_num_warps=4, backward_num_stages=1)
+
+
+def default_block_sizes(device: torch.device, head_dim: int, dtype: torch.dtype) -> BlockSizes:
+    """The launch configuration used when ``block_sizes`` is None: the tuned one for
+    16-bit inputs at D > 128 on SM90+, else the lighter one (fp32 dots run without
+    tensor cores and need twice the shared memory)."""
+    if device.type == "cuda" and head_dim > 128 and dtype != torch.float32:
+        if torch.cuda.get_device_capability(device) >= (9, 0):
+            return DEFAULT_BLOCK_SIZES
+    return SAFE_BLOCK_SIZES
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Static shape decisions of one call (all Python ints)."""
+
+    rows_per_tile: int  # T
+    group: int  # G = Hq // Hkv
+    fwd_heads: int  # HB of the forward programs
+    bwd_heads: int  # HB of the backward programs
+    head_dim_pad: int  # D_PAD
+    blocks: BlockSizes
+
+
+def _make_plan(group: int, head_dim: int, blocks: BlockSizes) -> _Plan:
+    g_pad = _next_pow2(group)
+    heads = min(g_pad, blocks.block_m)
+    rows = max(1, min(_MAX_ROWS_PER_TILE, blocks.block_m // heads))
+    # every dot needs M >= 16: a small group simply gets more rows per tile
+    bwd_heads = max(1, min(heads, blocks.backward_block_m // rows))
+    while rows * bwd_heads < 16:
+        bwd_heads *= 2
+    return _Plan(rows, group, heads, bwd_heads, max(16, _next_pow2(head_dim)), blocks)
+
+
+@dataclass(frozen=True)
+class TileUnions:
+    """Per-tile route unions: what both kernels walk.
+
+    ``union`` int32 ``[B, n_tiles, W]``: the distinct valid IDs routed by the tile's
+    rows, ascending, then -1 (W = min(T * K, S_kv)). ``count`` int32 ``[B, n_tiles]``:
+    how many entries of ``union`` are valid. ``rowbits`` int32 ``[B, n_tiles, W]``:
+    bit t set iff row t of the tile routes to ``union[..., u]``.
+    """
+
+    union: torch.Tensor
+    count: torch.Tensor
+    rowbits: torch.Tensor
+    rows_per_tile: int
+
+
+def build_tile_unions(canonical_routes: torch.Tensor, kv_length: int, rows_per_tile: int) -> TileUnions:
+    """Tile unions of canonical routes (no host synchronisation).
+
+    ``canonical_routes``: int32 ``[B, S_q, K]`` as returned by
+    :func:`qsa_torch.routes.normalize_routes` (invalid and repeated IDs are -1).
+    ``rows_per_tile`` T is a power of two <= 32. The last tile is padded with empty
+    rows. One segmented sort of the ``T * K`` keys ``id * T + t`` per tile gives
+    the union in order and, for every key, the union slot of its ID.
+    """
+    if rows_per_tile < 1 or rows_per_tile > _MAX_ROWS_PER_TILE or rows_per_tile & (rows_per_tile - 1):
+        raise ValueError(f"rows_per_tile must be a power of two in [1, 32], got {rows_per_tile}")
+    bsz, s_q, k = canonical_routes.shape
+    t = rows_per_tile
+    n_tiles = -(-s_q // t)
+    routes = canonical_routes
+    if n_tiles * t != s_q:
+        routes = torch.nn.functional.pad(routes, (0, 0, 0, n_tiles * t - s_q), value=-1)
+    routes = routes.reshape(bsz, n_tiles, t, k)
+    key_dtype = torch.int32 if kv_length * t < 2**31 - 1 else torch.int64
+    sentinel = torch.iinfo(key_dtype).max
+    shift = t.bit_length() - 1
+    rows = torch.arange(t, device=routes.device, dtype=key_dtype).view(1, 1, t, 1)
+    keys = torch.where(routes >= 0, (routes.to(key_dtype) << shift) + rows,
+                       torch.full((), sentinel, dtype=key_dtype, device=routes.device))
+    keys = torch.sort(keys.reshape(bsz, n_tiles, t * k), dim=-1).values
+    valid = keys != sentinel
+    ids = (keys >> shift).to(torch.int32)
+    first = valid.clone()
+    first[..., 1:] &= ids[..., 1:] != ids[..., :-1]
+    slot = torch.cumsum(first, dim=-1, dtype=torch.int32) - 1
+    count = slot[..., -1] + 1
+    width = min(t * k, kv_length)
+    spare = torch.full((), width, dtype=torch.int64, device=routes.device)
+    union = torch.full((bsz, n_tiles, width + 1), -1, dtype=torch.int32, device=routes.device)
+    union.scatter_(-1, torch.where(first, slot.long(), spare), ids)
+    bit = torch.bitwise_left_shift(
+        torch.ones((), dtype=torch.int32, device=routes.device), (keys & (t - 1)).to(torch.int32))
+    rowbits = torch.zeros((bsz, n_tiles, width + 1), dtype=torch.int32, device=routes.device)
+    rowbits.scatter_add_(-1, torch.where(valid, slot.long(), spare), torch.where(valid, bit, 0))
+    return TileUnions(union[..., :width].contiguous(), count.contiguous(),
+                      rowbits[..., :width].contiguous(), t)
+
+
+@functools.cache
+def _load_kernels():
+    """Import triton and the kernels once; report whether the interpreter is on."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - exercised where triton is absent
+        raise ImportError(
+            "triton_sparse_gqa_attention needs the 'triton' package (pip install triton)"
+        ) from exc
+    from . import _triton_kernels as kernels
+
+    interpreted = type(kernels.qsa_forward_kernel).__name__ == "InterpretedFunction"
+    return kernels, interpreted
+
+
+def _new_buffer(shape, dtype, device) -> torch.Tensor:
+    """Uninitialised memory the kernels overwrite completely (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# (kernel, configuration, device) -> (heads, block_k, stages) that fit the device
+_LAUNCH_FALLBACKS: dict[tuple, tuple[int, int, int]] = {}
+
+
+def _launch(kernel, tail_args, constexprs: dict, unions: TileUnions, batch_kv_heads: int, group: int,
+            heads: int, block_k: int, num_warps: int, num_stages: int, device: torch.device) -> None:
+    """Launch one kernel over (tiles, batch * KV heads * head chunks).
+
+    ``tail_args`` are the positional arguments before the chunk count. If the
+    configuration needs more shared memory than the device has (Triton raises
+    OutOfResources when loading it), retry with one pipeline stage, narrower union
+    chunks, then fewer heads per program (the tile unions do not depend on it); the
+    working choice is remembered, so a failing compile is not repeated.
+    """
+    rows = constexprs["T"]
+    key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), heads, block_k, num_warps,
+           num_stages, str(device))
+    if key in _LAUNCH_FALLBACKS:
+        attempts = [_LAUNCH_FALLBACKS[key]]
+    else:
+        head_options = [h for h in (heads, heads // 2, heads // 4) if h >= 1 and rows * h >= 16]
+        chunk_options = [(block_k, num_stages), (block_k, 1)]
+        chunk_options += [(bk, 1) for bk in (block_k // 2, block_k // 4) if bk >= 16]
+        attempts = list(dict.fromkeys((h, bk, st) for h in head_options for bk, st in chunk_options))
+    n_tiles = unions.union.shape[1]
+    for i, (hb, bk, stages) in enumerate(attempts):
+        chunks = -(-group // hb)
+        try:
+            kernel[(n_tiles, batch_kv_heads * chunks)](
+                *tail_args, chunks, **constexprs, HB=hb, BLOCK_K=bk, num_warps=num_warps,
+                num_stages=stages)
+        except Exception as exc:  # triton.runtime.errors.OutOfResources (triton is lazy here)
+            if type(exc).__name__ != "OutOfResources" or i == len(attempts) - 1:
+                raise
+            continue
+        _LAUNCH_FALLBACKS[key] = (hb, bk, stages)
+        return
+
+
+def _forward(q, k, v, unions: TileUnions, scale: float, plan: _Plan):
+    """Forward kernel: out [B,S_q,Hq,D] (q's dtype), natural-log LSE [B,Hq,S_q] fp32."""
+    kernels, interpreted = _load_kernels()
+    bsz, s_q, hq, d = q.shape
+    hkv = k.shape[2]
+    out = _new_buffer((bsz, s_q, hq, d), q.dtype, q.device)
+    lse = _new_buffer((bsz, hq, s_q), torch.float32, q.device)
+    n_tiles, width = unions.union.shape[1], unions.union.shape[2]
+    args = (
+        q, k, v, out, lse, unions.union, unions.count, unions.rowbits,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+        s_q, n_tiles, width, hkv, plan.group, d, scale * kernels.LOG2E,
+    )
+    constexprs = dict(T=plan.rows_per_tile, D_PAD=plan.head_dim_pad,
+                      IEEE=interpreted or q.dtype == torch.float32, INTERPRET=interpreted)
+    b = plan.blocks
+    _launch(kernels.qsa_forward_kernel, args, constexprs, unions, bsz * hkv, plan.group,
+            plan.fwd_heads, b.block_k, b.num_warps, b.num_stages, q.device)
+    return out, lse
+
+
+def _backward(q, k, v, out, lse, grad_out, unions: TileUnions, scale: float, plan: _Plan):
+    """Backward kernel: dq (q's dtype), dk, dv (k's dtype) from fp32 atomic accumulators."""
+    kernels, interpreted = _load_kernels()
+    bsz, s_q, hq, d = q.shape
+    s_kv, hkv = k.shape[1], k.shape[2]
+    dq = _new_buffer((bsz, s_q, hq, d), q.dtype, q.device)
+    dk = torch.zeros((bsz, s_kv, hkv, d), dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    n_tiles, width = unions.union.shape[1], unions.union.shape[2]
+    args = (
+        q, k, v, out, grad_out, lse, unions.union, unions.count, unions.rowbits, dq, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *grad_out.stride(),
+        *lse.stride(), *dq.stride(), *dk.stride()[:3],
+        s_q, n_tiles, width, hkv, plan.group, d, scale, scale * kernels.LOG2E,
+    )
+    constexprs = dict(T=plan.rows_per_tile, D_PAD=plan.head_dim_pad,
+                      IEEE=interpreted or q.dtype == torch.float32, INTERPRET=interpreted)
+    b = plan.blocks
+    _launch(kernels.qsa_backward_kernel, args, constexprs, unions, bsz * hkv, plan.group,
+            plan.bwd_heads, b.backward_block_k, b.backward_num_warps, b.backward_num_stages,
+            q.device)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _TritonQSA(torch.autograd.Function):
+    """query/key/value -> out; the tile unions and plan are non-differentiable inputs."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, union, count, rowbits, scale, plan):
+        unions = TileUnions(union, count, rowbits, plan.rows_per_tile)
+        out, lse = _forward(query, key, value, unions, scale, plan)
+        ctx.save_for_backward(query, key, value, out, lse, union, count, rowbits)
+        ctx.scale, ctx.plan = scale, plan
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, union, count, rowbits = ctx.saved_tensors
+        unions = TileUnions(union, count, rowbits, ctx.plan.rows_per_tile)
+        dq, dk, dv = _backward(query, key, value, out, lse, grad_out, unions, ctx.scale, ctx.plan)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def triton_sparse_gqa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    selected_token_ids: torch.Tensor,
+    softmax_scale: float | None = None,
+    *,
+    block_sizes: BlockSizes | None = None,
+) -> torch.Tensor:
+    """Route-sparse GQA with token-gather Triton kernels (forward and backward).
+
+    Args:
+        query: ``[B, S_q, Hq, D]`` fp16/bf16/fp32 CUDA tensor (any strides), D <= 256.
+        key, value: ``[B, S_kv, Hkv, D]``, same dtype and device; Hq % Hkv == 0.
+            S_kv may differ from S_q (context-parallel shards).
+        selected_token_ids: ``[B, S_q, K]`` signed int32/int64 IDs into ``[0, S_kv)``;
+            anything else is padding and duplicates count once.
+        softmax_scale: finite positive scale, default ``1/sqrt(D)``.
+        block_sizes: launch configuration, default :func:`default_block_sizes`.
+
+    Returns:
+        ``[B, S_q, Hq, D]`` in query's dtype. Rows without routes are exactly 0 and
+        add nothing to any gradient. Gradients reach query, key and value; dK/dV
+        are accumulated with fp32 atomics, so they are not bitwise deterministic.
+
+    Raises:
+        TypeError / ValueError: the contract's input checks; ValueError also for D >
+            256 and for CPU tensors unless Triton's interpreter is on.
+        ImportError: triton is not installed.
+    """
+    checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale, dtypes=_DTYPES)
+    dims = checked.dims
+    if dims.head_dim > _MAX_HEAD_DIM:
+        raise ValueError(f"query head dim must be <= {_MAX_HEAD_DIM} for triton_qsa, got {dims.head_dim}")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
+    _, interpreted = _load_kernels()
+    if query.device.type != "cuda" and not interpreted:
+        raise ValueError(
+            f"query is on {query.device}: triton_qsa needs CUDA tensors "
+            "(CPU tensors only with TRITON_INTERPRET=1 set before triton is imported)"
+        )
+    blocks = block_sizes or default_block_sizes(query.device, dims.head_dim, query.dtype)
+    plan = _make_plan(dims.group_size, dims.head_dim, blocks)
+    routes = normalize_routes(selected_token_ids, dims.kv_length)
+    unions = build_tile_unions(routes, dims.kv_length, plan.rows_per_tile)
+    return _TritonQSA.apply(query, key, value, unions.union, unions.count, unions.rowbits,
+                            checked.scale, plan)

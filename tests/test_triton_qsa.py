@@ -1,0 +1,301 @@
+"""The token-gather Triton backend against the float64 oracle.
+
+Without a CUDA GPU the kernels run in Triton's interpreter on CPU tensors: this
+module sets TRITON_INTERPRET=1 for its process before the backend first loads
+its kernels (Triton reads it when a kernel is decorated). It is left set: on a
+machine without a GPU nothing else can run Triton kernels, and Triton's own
+helpers decorated under it must keep it. With a GPU the same tests run the
+compiled kernels on CUDA. Shapes are tiny: the interpreter runs every program
+in Python.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from contract_base import TOLERANCE, BackendContract, random_inputs  # noqa: E402
+from runners import run_torch  # noqa: E402
+from qsa_common.generators import adversarial_routes, random_routes  # noqa: E402
+from qsa_common.layouts import make_problem  # noqa: E402
+from qsa_common.oracle import membership, oracle_forward_backward, relative_error  # noqa: E402
+from qsa_torch import triton_qsa  # noqa: E402
+from qsa_torch.routes import normalize_routes, to_torch_routes  # noqa: E402
+from qsa_torch.triton_qsa import BlockSizes, build_tile_unions, triton_sparse_gqa_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def _chunk_atomic_add_kernel(IDS, VALS, OUT, BLOCK: tl.constexpr, D: tl.constexpr):
+    """Each program adds a [BLOCK, D] chunk to rows IDS[pid] (distinct; -1 masked out)."""
+    pid = tl.program_id(0)
+    r = tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    ids = tl.load(IDS + pid * BLOCK + r)
+    ok = ids >= 0
+    vals = tl.load(VALS + (pid * BLOCK + r[:, None]) * D + d[None, :])
+    rows = tl.where(ok, ids, 0)
+    tl.atomic_add(OUT + rows[:, None] * D + d[None, :], vals, mask=ok[:, None], sem="relaxed")
+
+
+# small tiles so that every tile walks several union chunks
+SMALL = BlockSizes(block_m=16, block_k=16, num_warps=1, num_stages=1,
+                   backward_block_m=16, backward_block_k=16, backward_num_warps=1,
+                   backward_num_stages=1)
+
+
+# the contract matrix: tiles of 16 rows (group 2) or 8 rows (group 3 padded to 4)
+MEDIUM = BlockSizes(block_m=32, block_k=32, num_warps=2, num_stages=1,
+                    backward_block_m=32, backward_block_k=16, backward_num_warps=2,
+                    backward_num_stages=1)
+
+
+def _fresh_rng() -> np.random.Generator:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def test_kernels_run_here():
+    """On CPU the interpreter must be on (else TRITON_INTERPRET was set too late)."""
+    _, interpreted = triton_qsa._load_kernels()
+    assert interpreted or DEVICE == "cuda", "kernels were compiled, not interpreted, on a CPU machine"
+
+
+class TestTritonContract(BackendContract):
+    dtypes = ("float32", "bfloat16")
+    heads = ((4, 2), (6, 2))  # group 2 and a group of 3 padded to 4
+
+    def run(self, q, k, v, routes, scale, grad_out, dtype):
+        fn = lambda *a: triton_sparse_gqa_attention(*a, block_sizes=MEDIUM)  # noqa: E731
+        return run_torch(fn, q, k, v, routes, scale, grad_out, dtype, device=DEVICE)
+
+
+def _check_against_oracle(routes, kv_length, heads, head_dim, dtype, blocks, rng, scale=None):
+    q, k, v, do = random_inputs(rng, routes, kv_length, heads, head_dim, dtype)
+    scale = head_dim ** -0.5 if scale is None else scale
+    fn = lambda *a: triton_sparse_gqa_attention(*a, block_sizes=blocks)  # noqa: E731
+    got = run_torch(fn, q, k, v, routes, scale, do, dtype, device=DEVICE)
+    want = oracle_forward_backward(q, k, v, routes, scale, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        err = relative_error(g, w)
+        assert err < TOLERANCE[dtype], f"{name}: relative error {err:.3e}"
+    return got
+
+
+@pytest.mark.parametrize("layout,family,heads,head_dim,blocks", [
+    # MHA: 32 rows per tile and every row routed, so bit 31 (int32's sign bit) of rowbits is used
+    ("packed", "random", (2, 2), 16,
+     BlockSizes(block_m=32, block_k=32, backward_block_m=32, backward_block_k=16)),
+    # 12:1 padded to 16 heads; the backward splits each tile's heads over 2 programs
+    ("cp", "adversarial", (12, 1), 24,
+     BlockSizes(block_m=32, block_k=16, backward_block_m=16, backward_block_k=32)),
+    # a group wider than block_m: two head chunks per tile, one row per tile
+    ("cp", "adversarial", (32, 1), 8,
+     BlockSizes(block_m=16, block_k=16, backward_block_m=16, backward_block_k=16)),
+])
+def test_tilings_head_groups_and_odd_head_dims(layout, family, heads, head_dim, blocks):
+    rng = _fresh_rng()
+    problem = make_problem(layout, family, seed=int(rng.integers(2**31)), seq_len=40, width=10)
+    _check_against_oracle(problem.routes, problem.kv_length, heads, head_dim, "float32", blocks, rng)
+
+
+def test_float16_qsa_routes():
+    rng = _fresh_rng()
+    problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=48, top_k=3)
+    _check_against_oracle(problem.routes, problem.kv_length, (4, 1), 32, "float16", SMALL, rng)
+
+
+def _brute_force_unions(routes: np.ndarray, kv_length: int, rows_per_tile: int):
+    """Per (batch, tile): the sorted set of valid IDs and, per ID, the bitmask of rows."""
+    member = membership(routes, kv_length)  # [B, S_q, S_kv]
+    b, s_q, _ = member.shape
+    n_tiles = -(-s_q // rows_per_tile)
+    result = {}
+    for bi in range(b):
+        for tile in range(n_tiles):
+            rows = member[bi, tile * rows_per_tile:(tile + 1) * rows_per_tile]
+            ids = np.nonzero(rows.any(0))[0]
+            bits = [sum(1 << t for t in range(rows.shape[0]) if rows[t, i]) for i in ids]
+            result[bi, tile] = (ids, bits)
+    return result
+
+
+@pytest.mark.parametrize("rows_per_tile", [1, 4, 32])
+def test_tile_unions_match_brute_force(rows_per_tile):
+    rng = _fresh_rng()
+    kv_length, width = 50, 9
+    routes = np.concatenate([
+        adversarial_routes(kv_length, width=width, rng=rng)[None, :45],
+        random_routes(kv_length, width=width, rng=rng, causal=False)[None, :45],
+    ])
+    canonical = normalize_routes(torch.from_numpy(routes), kv_length)
+    unions = build_tile_unions(canonical, kv_length, rows_per_tile)
+    expect = _brute_force_unions(routes, kv_length, rows_per_tile)
+    n_tiles = -(-45 // rows_per_tile)
+    union_width = min(rows_per_tile * width, kv_length)
+    assert unions.union.shape == unions.rowbits.shape == (2, n_tiles, union_width)
+    assert unions.count.shape == (2, n_tiles) and unions.union.dtype == torch.int32
+    for (bi, tile), (ids, bits) in expect.items():
+        n = int(unions.count[bi, tile])
+        assert n == len(ids)
+        assert unions.union[bi, tile, :n].tolist() == ids.tolist()
+        assert np.all(unions.union[bi, tile, n:].numpy() == -1)
+        got_bits = unions.rowbits[bi, tile, :n].numpy().astype(np.int64) & 0xFFFFFFFF
+        assert got_bits.tolist() == bits
+
+
+def test_tile_unions_with_wide_keys():
+    """kv_length * T past int32 range: the sort keys switch to int64."""
+    rng = _fresh_rng()
+    kv_length = 2**27
+    routes = rng.integers(-5, kv_length + 5, size=(1, 70, 6))
+    routes[0, 3] = routes[0, 2]  # two identical rows
+    routes[0, 5, 1] = routes[0, 5, 0]  # a repeated ID within a row
+    routes[0, 7, :3] = kv_length - 1
+    canonical = normalize_routes(torch.from_numpy(routes), kv_length)
+    unions = build_tile_unions(canonical, kv_length, 32)
+    valid = (routes >= 0) & (routes < kv_length)
+    for tile in range(3):
+        rows = slice(32 * tile, 32 * tile + 32)
+        ids = np.unique(routes[0, rows][valid[0, rows]])
+        n = int(unions.count[0, tile])
+        assert unions.union[0, tile, :n].tolist() == ids.tolist()
+        block = routes[0, rows]
+        bits = [sum(1 << t for t in range(block.shape[0]) if x in block[t]) for x in ids]
+        assert (unions.rowbits[0, tile, :n].numpy().astype(np.int64) & 0xFFFFFFFF).tolist() == bits
+
+
+def test_atomic_chunk_adds_are_exact_in_interpreter():
+    """Chunks of distinct rows added by many programs: equal to a sequential sum."""
+    rng = np.random.default_rng()
+    programs, block, d, rows = 6, 16, 16, 20
+    ids = np.stack([rng.permutation(rows)[:block] for _ in range(programs)]).astype(np.int32)
+    ids[rng.random(ids.shape) < 0.25] = -1
+    vals = rng.standard_normal((programs, block, d)).astype(np.float32)
+    out = torch.zeros(rows, d, device=DEVICE)
+    _chunk_atomic_add_kernel[(programs,)](torch.from_numpy(ids).to(DEVICE),
+                                          torch.from_numpy(vals).to(DEVICE), out, BLOCK=block, D=d)
+    want = np.zeros((rows, d), dtype=np.float64)
+    for p in range(programs):
+        for r in range(block):
+            if ids[p, r] >= 0:
+                want[ids[p, r]] += vals[p, r]
+    np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_poisoned_outputs_are_fully_overwritten(monkeypatch):
+    """Output, LSE and dq buffers start as NaN: every element must be written."""
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(triton_qsa, "_new_buffer", poisoned)
+    rng = _fresh_rng()
+    # 37 rows: the last tile is partial; (6, 2) pads 3 heads to 4
+    routes = adversarial_routes(37, width=8, rng=rng)[None]
+    got = _check_against_oracle(routes, 37, (6, 2), 16, "float32", SMALL, rng)
+    empty = ~membership(routes, 37).any(-1)[0]
+    assert empty.any() and np.all(got[0][0, empty] == 0.0) and np.all(got[1][0, empty] == 0.0)
+
+
+def test_all_rows_empty():
+    rng = _fresh_rng()
+    routes = np.full((2, 9, 5), -1, dtype=np.int64)
+    routes[1, :, 2] = 9 + np.arange(9)  # out of range only
+    got = _check_against_oracle(routes, 9, (2, 1), 16, "bfloat16", SMALL, rng)
+    for g in got:
+        assert np.all(g == 0.0)
+
+
+def test_non_contiguous_inputs_and_grad():
+    rng = _fresh_rng()
+    problem = make_problem("padded", "qsa", seed=int(rng.integers(2**31)), seq_len=24, top_k=2)
+    q, k, v, do = random_inputs(rng, problem.routes, 24, (4, 2), 16, "float32")
+    # [B,S,H,D] views over [B,H,S,D] storage; routes a strided slice; grad_out strided
+    tq, tk, tv = (torch.tensor(x.transpose(0, 2, 1, 3).copy(), dtype=torch.float32, device=DEVICE)
+                  .transpose(1, 2)
+                  for x in (q, k, v))
+    wide = torch.from_numpy(np.repeat(problem.routes, 2, axis=-1)).to(DEVICE)
+    routes = wide[..., ::2]
+    grad = torch.tensor(np.concatenate([do, 0 * do], axis=-1), dtype=torch.float32, device=DEVICE)[..., :16]
+    assert not tq.is_contiguous() and not routes.is_contiguous() and not grad.is_contiguous()
+    for t in (tq, tk, tv):
+        t.requires_grad_(True)
+    out = triton_sparse_gqa_attention(tq, tk, tv, routes, block_sizes=SMALL)
+    out.backward(grad)
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.25, do)
+    for got, ref in zip((out, tq.grad, tk.grad, tv.grad), want):
+        assert relative_error(got.detach().double().cpu().numpy(), ref) < 1e-5
+
+
+def test_int32_and_int64_routes_agree():
+    rng = _fresh_rng()
+    problem = make_problem("padded", "adversarial", seed=int(rng.integers(2**31)), seq_len=20,
+                           width=8, batch=2)
+    q, k, v, do = random_inputs(rng, problem.routes, 20, (2, 1), 16, "float32")
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    results = []
+    for dtype in (torch.int64, torch.int32):
+        routes = to_torch_routes(problem, dtype=dtype, device=DEVICE)
+        fn = lambda q_, k_, v_, _r, s: triton_sparse_gqa_attention(  # noqa: E731
+            q_, k_, v_, routes, s, block_sizes=SMALL)
+        results.append(run_torch(fn, q, k, v, problem.routes, 0.3, do, "float32", device=DEVICE))
+        for got, ref in zip(results[-1], want):
+            assert relative_error(got, ref) < 1e-5
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def _small_tensors(dtype=torch.float32, head_dim=16, device=DEVICE):
+    q = torch.randn(1, 4, 2, head_dim, dtype=dtype, device=device)
+    k = torch.randn(1, 6, 1, head_dim, dtype=dtype, device=device)
+    return q, k, k.clone(), torch.zeros(1, 4, 3, dtype=torch.int64, device=device)
+
+
+def test_bad_input_raises_contract_errors():
+    q, k, v, r = _small_tensors()
+    with pytest.raises(TypeError, match="query"):
+        triton_sparse_gqa_attention(q.double(), k.double(), v.double(), r)
+    with pytest.raises(TypeError, match="selected_token_ids"):
+        triton_sparse_gqa_attention(q, k, v, r.float())
+    with pytest.raises(ValueError, match="query heads"):
+        triton_sparse_gqa_attention(q, k.expand(1, 6, 3, 16), v.expand(1, 6, 3, 16), r)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        triton_sparse_gqa_attention(q, k, v, r, -1.0)
+    with pytest.raises(ValueError, match="head dim"):
+        triton_sparse_gqa_attention(*_small_tensors(head_dim=264))
+    with pytest.raises(TypeError, match="block_sizes"):
+        triton_sparse_gqa_attention(q, k, v, r, block_sizes=(64, 32))
+    with pytest.raises(ValueError, match="block_k"):
+        BlockSizes(block_k=48)
+    with pytest.raises(ValueError, match="num_warps"):
+        BlockSizes(num_warps=0)
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    kernels, _ = triton_qsa._load_kernels()
+    monkeypatch.setattr(triton_qsa, "_load_kernels", lambda: (kernels, False))
+    with pytest.raises(ValueError, match="CUDA"):
+        triton_sparse_gqa_attention(*_small_tensors(device="cpu"))
+
+
+def test_missing_triton_raises_import_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.delitem(sys.modules, "qsa_torch._triton_kernels")
+    triton_qsa._load_kernels.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="triton"):
+            triton_sparse_gqa_attention(*_small_tensors())
+    finally:
+        triton_qsa._load_kernels.cache_clear()
