@@ -1,80 +1,202 @@
-"""``python -m parity``: run the references of both frameworks through every
-layout and route family on identical numpy inputs and compare them with the
-float64 oracle and with each other. Exit status 1 on any failure.
+"""``python -m parity``: every QSA backend of both frameworks on identical inputs.
+
+Runs layouts x route families x dtypes x heads x backends, compares out, dq,
+dk and dv of each backend with a float64 oracle and with every other backend
+(the contract's tolerances), prints a summary and writes ``parity.md`` and
+``parity.json`` (default directory ``parity-report/``). Backends or quantities
+that cannot run here are reported as unavailable with the reason. Exit status
+1 on any failing cell, 0 otherwise.
+
+Sizes: no option = a small CPU matrix (a few minutes, interpreted kernels
+included); ``--quick`` = CI size; ``--gpu`` = the H200 shapes (S=8192,
+(24,2) and (12,1), D=256, top_k 512, bf16). Any size option overrides the preset.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import os
+import shlex
 import sys
+import time
 
-import numpy as np
-
-from qsa_common.generators import FAMILIES
-from qsa_common.layouts import LAYOUTS, make_problem
-from qsa_common.oracle import oracle_forward_backward, relative_error
-
-TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
+__all__ = ["main", "parse_args"]
 
 
-def _torch_reference(q, k, v, routes, scale, do, dtype):
-    import torch
-
-    from qsa_torch import reference_sparse_gqa_attention
-
-    leaves = [torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True) for x in (q, k, v)]
-    out = reference_sparse_gqa_attention(*leaves, torch.from_numpy(routes), scale)
-    out.backward(torch.tensor(do, dtype=out.dtype))
-    return [t.detach().double().numpy() for t in (out, *(x.grad for x in leaves))]
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def _jax_reference(q, k, v, routes, scale, do, dtype):
-    import jax
-    import jax.numpy as jnp
+def _heads(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple(tuple(int(n) for n in item.split(":")) for item in _csv(text))
+    except ValueError:
+        pairs = ()
+    if not pairs or any(len(p) != 2 or p[0] < 1 or p[1] < 1 or p[0] % p[1] for p in pairs):
+        raise argparse.ArgumentTypeError(f"heads must look like 24:2,12:1 (Hq:Hkv, Hq % Hkv == 0), got {text!r}")
+    return pairs
 
-    from qsa_jax import reference
 
-    args = [jnp.asarray(x, dtype=dtype) for x in (q, k, v)]
-    out, vjp = jax.vjp(lambda *a: reference(*a, routes, scale), *args)
-    return [np.asarray(t, dtype=np.float64) for t in (out, *vjp(jnp.asarray(do, dtype=dtype)))]
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from qsa_common.generators import FAMILIES
+    from qsa_common.layouts import LAYOUTS
+
+    from .backends import BACKENDS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m parity", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="CI size (well under a minute on 2 CPU cores)")
+    size.add_argument("--gpu", action="store_true",
+                      help="H200 sizes: S=8192, heads 24:2,12:1, D=256, top_k 512, bfloat16")
+    parser.add_argument("--layouts", type=_csv, default=LAYOUTS, help=f"comma list of {','.join(LAYOUTS)}")
+    parser.add_argument("--families", type=_csv, default=FAMILIES,
+                        help=f"comma list of {','.join(FAMILIES)}")
+    parser.add_argument("--backends", type=_csv, default=(),
+                        help=f"comma list of {','.join(BACKENDS)} (default: all)")
+    parser.add_argument("--dtypes", type=_csv, help="comma list of float32,bfloat16,float16")
+    parser.add_argument("--seq-len", type=int, help="sequence length S (the global length for cp)")
+    parser.add_argument("--heads", type=_heads, help="comma list of Hq:Hkv, e.g. 24:2,12:1")
+    parser.add_argument("--head-dim", type=int, help="head dim D")
+    parser.add_argument("--top-k", type=int, help="route width is 4*top_k+4 (QSA format)")
+    parser.add_argument("--batch", type=int, default=2, help="batch of the padded layout (default 2)")
+    parser.add_argument("--world-size", type=int, default=2, help="CP ranks (default 2; the last is checked)")
+    parser.add_argument("--seed", type=int, help="base seed (default: fresh, printed in the report)")
+    parser.add_argument("--time-budget", type=float,
+                        help="seconds; cases not started by then are reported as not run")
+    parser.add_argument("--out", default="parity-report", help="report directory (default parity-report/)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--merge", nargs="+", metavar="DIR",
+                        help="only merge the reports of runs over parts of the matrix into --out")
+    args = parser.parse_args(argv)
+    for name, allowed in (("layouts", LAYOUTS), ("families", FAMILIES), ("backends", tuple(BACKENDS)),
+                          ("dtypes", ("float32", "bfloat16", "float16"))):
+        bad = [x for x in (getattr(args, name) or ()) if x not in allowed]
+        if bad:
+            parser.error(f"unknown {name} {bad}; expected some of {','.join(allowed)}")
+    return args
 
 
-BACKENDS = {"torch-reference": _torch_reference, "jax-xla": _jax_reference}
+class _Progress:
+    """A rich progress bar on a terminal; one flushed line per case otherwise."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total = total
+        self.bar = None
+        self.start = time.monotonic()
+        if enabled and sys.stderr.isatty():
+            try:
+                from rich.progress import Progress
+
+                self.bar = Progress(transient=True)
+                self.task = self.bar.add_task("parity", total=total)
+                self.bar.start()
+            except ImportError:
+                self.bar = None
+        self.enabled = enabled
+
+    def update(self, i: int, case, result) -> None:
+        if not self.enabled:
+            return
+        done = [c for c in result.cells if c.case["layout"] == case.layout
+                and c.case["family"] == case.family and c.case["dtype"] == case.dtype
+                and tuple(c.case["heads"]) == case.heads]
+        bad = sum(c.status in ("fail", "error") for c in done)
+        text = f"[{i + 1}/{self.total}] {case.label()}: {'FAIL' if bad else 'ok'} ({time.monotonic() - self.start:.0f} s)"
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, description=case.label())
+            if bad:
+                self.bar.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _prepare_environment(gpu: bool) -> None:
+    """Environment switches that must precede the first jax / triton import."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+    try:
+        import torch
+
+        if not torch.cuda.is_available() and not gpu:
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # run the Triton kernels on the CPU
+    except ImportError:
+        pass
+
+
+def _merge(dirs: list[str], out: str, command: str) -> int:
+    """Merge parity.json of several runs (e.g. one per layout, run in parallel)."""
+    import json
+
+    from .report import summary_text, write_report
+    from .suite import load_result, merge_results
+
+    parts = []
+    for d in dirs:
+        path = os.path.join(d, "parity.json")
+        if not os.path.exists(path):
+            print(f"merge: {path} is missing (that part did not start)", file=sys.stderr)
+            continue
+        with open(path) as f:
+            parts.append(load_result(json.load(f)))
+    if not parts:
+        print("merge: nothing to merge", file=sys.stderr)
+        return 2
+    merged = merge_results(parts)
+    if len(parts) < len(dirs):
+        merged.complete = False
+        merged.notes.append(f"only {len(parts)} of {len(dirs)} parts reported")
+    md_path, json_path = write_report(merged, out, command)
+    print(summary_text(merged))
+    print(f"report: {md_path} and {json_path}", flush=True)
+    return 1 if merged.failures or len(parts) < len(dirs) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parity", description=__doc__)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    import ml_dtypes
+    args = parse_args(argv)
+    if args.merge:
+        return _merge(args.merge, args.out, "python -m parity " + " ".join(argv or sys.argv[1:]))
+    _prepare_environment(args.gpu)
+    import numpy as np
 
-    rng = np.random.default_rng(args.seed)
-    failures = 0
-    print(f"{'layout':8} {'family':12} {'dtype':9} {'backend':16} {'worst rel err':>14}  result")
-    for layout, fam, dtype in itertools.product(LAYOUTS, FAMILIES, TOLERANCE):
-        problem = make_problem(layout, fam, seed=int(rng.integers(2**31)), seq_len=args.seq_len, top_k=4)
-        cast = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
-        shape_q = problem.routes.shape[:2] + (4, 32)
-        shape_kv = (problem.routes.shape[0], problem.kv_length, 2, 32)
-        q, do = (rng.standard_normal(shape_q).astype(cast).astype(np.float64) for _ in range(2))
-        k, v = (rng.standard_normal(shape_kv).astype(cast).astype(np.float64) for _ in range(2))
-        want = oracle_forward_backward(q, k, v, problem.routes, 32**-0.5, do)
-        results = {}
-        for name, fn in BACKENDS.items():
-            got = fn(q, k, v, problem.routes, 32**-0.5, do, dtype)
-            results[name] = got
-            err = max(relative_error(g, w) for g, w in zip(got, want))
-            ok = err < TOLERANCE[dtype]
-            failures += not ok
-            print(f"{layout:8} {fam:12} {dtype:9} {name:16} {err:14.3e}  {'pass' if ok else 'FAIL'}")
-        cross = max(relative_error(a, b) for a, b in zip(*results.values()))
-        ok = cross < TOLERANCE[dtype]
-        failures += not ok
-        print(f"{layout:8} {fam:12} {dtype:9} {'torch vs jax':16} {cross:14.3e}  {'pass' if ok else 'FAIL'}")
-    print(f"\n{'all cells pass' if not failures else f'{failures} cells FAIL'}")
-    return 1 if failures else 0
+    from .report import summary_text, write_report
+    from .suite import PRESETS, Config, make_cases, run_suite
+
+    preset = dict(PRESETS["gpu" if args.gpu else "quick" if args.quick else "default"])
+    for name in ("seq_len", "heads", "head_dim", "top_k", "dtypes"):
+        if getattr(args, name) is not None:
+            preset[name] = getattr(args, name)
+    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
+    config = Config(layouts=args.layouts, families=args.families, batch=args.batch,
+                    world_size=args.world_size, seed=seed, backends=args.backends,
+                    time_budget=args.time_budget, **preset)
+    if config.seq_len % config.world_size and "cp" in config.layouts:
+        print(f"error: --seq-len {config.seq_len} is not divisible by --world-size {config.world_size}",
+              file=sys.stderr)
+        return 2
+    command = "python -m parity " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    cases = make_cases(config)
+    print(f"parity: {len(cases)} cases (S={config.seq_len}, heads={config.heads}, D={config.head_dim}, "
+          f"dtypes={','.join(config.dtypes)}), seed {seed}; report in {args.out}/", flush=True)
+    progress = _Progress(len(cases), not args.no_progress)
+
+    def on_case(i, n, case, result):
+        progress.update(i, case, result)
+        write_report(result, args.out, command)
+
+    try:
+        result = run_suite(config, on_case=on_case)
+    finally:
+        progress.close()
+    md_path, json_path = write_report(result, args.out, command)
+    print(summary_text(result))
+    print(f"report: {md_path} and {json_path}", flush=True)
+    return 1 if result.failures else 0
 
 
 if __name__ == "__main__":

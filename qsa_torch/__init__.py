@@ -6,6 +6,7 @@ Frontend) on first use only, so importing this package needs nothing but
 torch and numpy.
 """
 
+from .api import sparse_gqa_attention
 from .cudnn_qsa import cudnn_sparse_gqa_attention
 from .fa4_qsa import fa4_sparse_gqa_attention
 from .flex_qsa import flex_sparse_gqa_attention
@@ -21,6 +22,7 @@ __all__ = [
     "membership_table",
     "normalize_routes",
     "reference_sparse_gqa_attention",
+    "sparse_gqa_attention",
     "triton_sparse_gqa_attention",
     "validate_inputs",
 ]

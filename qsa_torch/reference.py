@@ -76,6 +76,11 @@ def reference_sparse_gqa_attention(
     if chunk_rows is None:
         per_row = dims.batch * dims.routes_per_query * dims.kv_heads * dims.head_dim
         chunk_rows = max(1, _CHUNK_ELEMENTS // per_row)
+    # Gather from fp32 copies: the gather's backward then sums the ~K
+    # contributions per key row in fp32 (summing them in bf16 loses ~3e-2).
+    compute = torch.promote_types(query.dtype, torch.float32)
+    out_dtype = query.dtype
+    query, key, value = query.to(compute), key.to(compute), value.to(compute)
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (query, key, value)
     )
@@ -87,4 +92,5 @@ def reference_sparse_gqa_attention(
             outputs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))
         else:
             outputs.append(_attend_chunk(*args))
-    return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+    out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+    return out.to(out_dtype)

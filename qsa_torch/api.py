@@ -1,0 +1,364 @@
+"""``qsa_torch.sparse_gqa_attention``: one entry point that dispatches to a backend.
+
+The function is registered as the ``torch.library`` custom op
+``qsa::sparse_gqa_attention`` (with a fake implementation and autograd), so it
+runs under ``torch.compile(fullgraph=True)`` as one opaque node and never
+breaks the graph, whatever the backend does inside.
+
+Backend choice (``backend="auto"``): :data:`PREFERENCE` lists, per device
+class, the backends in the order to try them (fastest first, as measured);
+the first whose :func:`unsupported_reason` is ``None`` for the inputs runs,
+and a backend that raises ``ImportError`` or ``NotImplementedError`` when
+called is skipped for the next one. Every skipped backend is logged with its
+reason on the ``"qsa_torch"`` logger (INFO the first time a reason is seen,
+DEBUG afterwards). The torch reference ends every list, so ``"auto"`` always
+produces an answer. A backend named explicitly runs without fallback; its own
+errors propagate.
+
+Backward cost: the op saves only its inputs (query, key, value, routes). The
+backward op runs the chosen backend's forward again under autograd and asks
+torch for the gradients, so one forward+backward through this API costs two
+forwards plus one backward of the backend (one forward more than calling the
+backend directly), and no activation (output, LSE) stays alive between the
+passes: memory between forward and backward is only the inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .routes import ProblemDims, validate_inputs
+
+__all__ = [
+    "BACKENDS",
+    "PREFERENCE",
+    "candidate_backends",
+    "device_class",
+    "sparse_gqa_attention",
+    "unsupported_reason",
+]
+
+logger = logging.getLogger("qsa_torch")
+
+# Preference per device class, fastest first. Update from measurements
+# (docs/benchmarks.md); "reference" is appended to every list.
+PREFERENCE: dict[str, tuple[str, ...]] = {
+    "sm100": ("cudnn", "triton", "fa4", "flex"),  # SM100 / SM103 (Blackwell)
+    "sm90": ("triton", "fa4", "flex"),  # Hopper
+    "cuda": ("triton", "flex"),  # other CUDA GPUs
+    "cpu": ("reference",),  # CPU and any other device
+}
+
+ROUTE_FORMATS = ("any", "qsa")
+
+
+@dataclass(frozen=True)
+class _Backend:
+    """Where a backend's public function lives (imported on first use)."""
+
+    module: str
+    function: str
+    dtypes: tuple[torch.dtype, ...]
+    deterministic_backward: bool
+
+
+_HALF_AND_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+BACKENDS: dict[str, _Backend] = {
+    "reference": _Backend("qsa_torch.reference", "reference_sparse_gqa_attention",
+                          _HALF_AND_FLOAT + (torch.float64,), True),
+    "flex": _Backend("qsa_torch.flex_qsa", "flex_sparse_gqa_attention", _HALF_AND_FLOAT, True),
+    "fa4": _Backend("qsa_torch.fa4_qsa", "fa4_sparse_gqa_attention", (torch.bfloat16,), False),
+    "cudnn": _Backend("qsa_torch.cudnn_qsa", "cudnn_sparse_gqa_attention", (torch.bfloat16,), False),
+    "triton": _Backend("qsa_torch.triton_qsa", "triton_sparse_gqa_attention", _HALF_AND_FLOAT, False),
+}
+
+# Optional runtime of each backend, checked with find_spec (no import).
+_RUNTIME = {"flex": "torch.nn.attention.flex_attention", "fa4": "flash_attn",
+            "cudnn": "cudnn", "triton": "triton"}
+_CUDNN_HEADS = ((24, 2), (12, 1))
+_CUDNN_MAX_WIDTH = 2052
+
+# Backends whose module or runtime failed to import, with the reason (not retried).
+_BROKEN: dict[str, str] = {}
+_LOGGED: set[str] = set()
+
+
+def _log(message: str, level: int = logging.INFO) -> None:
+    """Log ``message`` at ``level`` the first time, at DEBUG afterwards."""
+    if message in _LOGGED:
+        logger.debug(message)
+    else:
+        _LOGGED.add(message)
+        logger.log(level, message)
+
+
+def device_class(device: torch.device) -> str:
+    """The :data:`PREFERENCE` row of ``device``: "sm100", "sm90", "cuda" or "cpu"."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) in ((10, 0), (10, 3)):
+        return "sm100"
+    if major == 9:
+        return "sm90"
+    return "cuda"
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package is missing or broken
+        return False
+
+
+def unsupported_reason(
+    name: str,
+    dims: ProblemDims,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    needs_grad: bool,
+    route_format: str = "any",
+) -> str | None:
+    """Why backend ``name`` cannot run these inputs, or ``None`` if it can.
+
+    Checks only what is known without touching device data: device kind and
+    compute capability, dtype, head sizes, layout (S_q vs S_kv), route format
+    promise, the optional runtime's presence, and deterministic-algorithm mode.
+    """
+    spec = BACKENDS[name]
+    if name in _BROKEN:
+        return _BROKEN[name]
+    cls = device_class(device)
+    if name == "fa4" and cls != "sm90":
+        return "needs an SM90 (Hopper) GPU"
+    if name == "cudnn" and cls != "sm100":
+        return "needs an SM100/SM103 (Blackwell) GPU"
+    if name == "cudnn" and route_format != "qsa":
+        return "accepts QSA-format routes only (pass route_format='qsa' to allow it)"
+    if name == "triton" and cls == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "needs a CUDA device (or TRITON_INTERPRET=1 on CPU)"
+    if name == "flex" and cls == "cpu" and needs_grad:
+        return "FlexAttention has no CPU backward"
+    if dtype not in spec.dtypes:
+        return f"computes in {', '.join(str(d) for d in spec.dtypes)} only, got {dtype}"
+    runtime = _RUNTIME.get(name)
+    if runtime is not None and not _has_module(runtime):
+        return f"optional runtime {runtime!r} is not installed"
+    if needs_grad and not spec.deterministic_backward and torch.are_deterministic_algorithms_enabled():
+        return "its backward is not deterministic and deterministic algorithms are on"
+    if name == "triton" and dims.head_dim > 256:
+        return f"head dim must be <= 256, got {dims.head_dim}"
+    if name == "fa4" and dims.head_dim != 256:
+        return f"head dim must be 256, got {dims.head_dim}"
+    if name == "cudnn":
+        heads = (dims.query_heads, dims.kv_heads)
+        if heads not in _CUDNN_HEADS or dims.head_dim != 256:
+            return f"needs (Hq, Hkv) in {_CUDNN_HEADS} and D = 256, got {heads} and D = {dims.head_dim}"
+        if dims.routes_per_query > _CUDNN_MAX_WIDTH:
+            return f"route width must be <= {_CUDNN_MAX_WIDTH}, got {dims.routes_per_query}"
+        if dims.query_length != dims.kv_length:
+            return "no context-parallel layout (S_q != S_kv)"
+    return None
+
+
+def candidate_backends(device: torch.device) -> tuple[str, ...]:
+    """The backends ``"auto"`` tries on ``device``, in order (reference last)."""
+    names = PREFERENCE[device_class(device)]
+    return tuple(dict.fromkeys(names + ("reference",)))
+
+
+def _load(name: str) -> Callable[..., torch.Tensor]:
+    spec = BACKENDS[name]
+    try:
+        module = importlib.import_module(spec.module)
+        return getattr(module, spec.function)
+    except ImportError as err:
+        _BROKEN[name] = f"import of {spec.module} failed: {err}"
+        raise
+
+
+def _run(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    routes: torch.Tensor,
+    scale: float,
+    backend: str,
+    needs_grad: bool,
+    route_format: str,
+    body: Callable[[Callable[..., torch.Tensor]], object],
+):
+    """Call ``body(fn)`` with the backend function ``backend`` resolves to.
+
+    An explicit backend runs as is. ``"auto"`` walks :func:`candidate_backends`:
+    statically unsupported backends are skipped, and a backend raising
+    ImportError / NotImplementedError is logged and skipped.
+    """
+    if backend != "auto":
+        return body(_load(backend))
+    dims = ProblemDims(query.shape[0], query.shape[1], key.shape[1], query.shape[2],
+                       key.shape[2], query.shape[3], routes.shape[2])
+    for name in candidate_backends(query.device):
+        reason = unsupported_reason(name, dims, query.device, query.dtype,
+                                    needs_grad=needs_grad, route_format=route_format)
+        if reason is not None:
+            _log(f"sparse_gqa_attention: skipping backend {name!r}: {reason}")
+            continue
+        try:
+            result = body(_load(name))
+        except (ImportError, NotImplementedError) as err:
+            if isinstance(err, ImportError):  # a missing runtime stays missing: do not retry
+                _BROKEN[name] = f"its runtime failed to import: {err}"
+            _log(f"sparse_gqa_attention: backend {name!r} failed ({type(err).__name__}: {err}); "
+                 "falling back", logging.WARNING)
+            continue
+        logger.debug("sparse_gqa_attention: ran backend %r", name)
+        return result
+    raise RuntimeError("sparse_gqa_attention: no backend accepted the inputs")  # reference accepts all
+
+
+@contextlib.contextmanager
+def _autograd_enabled() -> Iterator[None]:
+    """Turn autograd back on inside a custom op's implementation.
+
+    The dispatcher runs op implementations below the Autograd keys (they are in
+    the thread's excluded key set), so tensors created there never record a
+    graph. The backward op recomputes the forward and needs that graph.
+    """
+    keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
+            torch._C.DispatchKey.AutogradNestedTensor)
+    with contextlib.ExitStack() as stack:
+        for key in keys:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        stack.enter_context(torch.enable_grad())
+        yield
+
+
+@torch.library.custom_op("qsa::sparse_gqa_attention", mutates_args=())
+def _forward_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    selected_token_ids: torch.Tensor,
+    softmax_scale: float,
+    backend: str,
+    needs_grad: bool,
+    route_format: str,
+) -> torch.Tensor:
+    def body(fn):
+        return fn(query, key, value, selected_token_ids, softmax_scale).contiguous()
+
+    return _run(query, key, value, selected_token_ids, softmax_scale, backend, needs_grad,
+                route_format, body)
+
+
+@_forward_op.register_fake
+def _forward_fake(query, key, value, selected_token_ids, softmax_scale, backend, needs_grad,
+                  route_format):
+    return query.new_empty(query.shape)
+
+
+@torch.library.custom_op("qsa::sparse_gqa_attention_backward", mutates_args=())
+def _backward_op(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    selected_token_ids: torch.Tensor,
+    softmax_scale: float,
+    backend: str,
+    route_format: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def body(fn):
+        with _autograd_enabled():
+            leaves = [t.detach().requires_grad_() for t in (query, key, value)]
+            out = fn(*leaves, selected_token_ids, softmax_scale)
+            grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
+        return tuple(
+            torch.zeros_like(t) if g is None else g.detach().contiguous()
+            for g, t in zip(grads, (query, key, value))
+        )
+
+    return _run(query, key, value, selected_token_ids, softmax_scale, backend, True,
+                route_format, body)
+
+
+@_backward_op.register_fake
+def _backward_fake(grad_out, query, key, value, selected_token_ids, softmax_scale, backend,
+                   route_format):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, routes, scale, backend, _needs_grad, route_format = inputs
+    ctx.save_for_backward(query, key, value, routes)
+    ctx.scale, ctx.backend, ctx.route_format = scale, backend, route_format
+
+
+def _backward(ctx, grad_out):
+    query, key, value, routes = ctx.saved_tensors
+    dq, dk, dv = _backward_op(grad_out, query, key, value, routes, ctx.scale, ctx.backend,
+                              ctx.route_format)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def sparse_gqa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    selected_token_ids: torch.Tensor,
+    softmax_scale: float | None = None,
+    *,
+    backend: str = "auto",
+    route_format: str = "any",
+) -> torch.Tensor:
+    """Route-sparse GQA through the best available backend (``qsa::sparse_gqa_attention``).
+
+    Args:
+        query: ``[B, S_q, Hq, D]`` float tensor.
+        key, value: ``[B, S_kv, Hkv, D]``, same dtype and device; Hq % Hkv == 0.
+        selected_token_ids: ``[B, S_q, K]`` signed int32/int64 IDs into ``[0, S_kv)``
+            (global K/V coordinates); anything else is padding, duplicates count once.
+        softmax_scale: finite positive scale, default ``1/sqrt(D)``; passed to the op
+            as a float.
+        backend: ``"auto"`` (see the module docstring and :data:`PREFERENCE`) or one of
+            ``"reference"``, ``"flex"``, ``"fa4"``, ``"cudnn"``, ``"triton"``.
+        route_format: ``"qsa"`` promises that the routes follow the QSA route format
+            (four-token blocks plus the causal tail, CONTRACT.md), which lets ``"auto"``
+            consider the cuDNN backend (it gives wrong answers for other route sets);
+            ``"any"`` (default) makes no promise.
+
+    Returns:
+        ``[B, S_q, Hq, D]`` in query's dtype; rows without routes are exactly zero
+        and add nothing to any gradient. Differentiable in query, key and value.
+
+    Raises:
+        ValueError: unknown ``backend`` / ``route_format``, or the contract's shape,
+            device and scale checks.
+        TypeError: the contract's dtype checks.
+        Anything the explicitly named backend raises (RuntimeError for an
+        unsupported GPU, ImportError for a missing runtime, ...).
+    """
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    if route_format not in ROUTE_FORMATS:
+        raise ValueError(f"route_format must be one of {ROUTE_FORMATS}, got {route_format!r}")
+    checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
+    needs_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+    )
+    return _forward_op(query, key, value, selected_token_ids, checked.scale, backend, needs_grad,
+                       route_format)

@@ -1,0 +1,254 @@
+"""qsa_torch.api.sparse_gqa_attention: the dispatching custom op, its autograd and torch.compile."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from contract_base import BackendContract, random_inputs
+from runners import run_torch
+from qsa_common.layouts import make_problem
+from qsa_common.oracle import oracle_forward_backward, relative_error
+
+torch = pytest.importorskip("torch")
+api = pytest.importorskip("qsa_torch.api")
+
+
+class TestAutoBackend(BackendContract):
+    """The whole contract through the custom op with backend="auto" (the reference on CPU)."""
+
+    dtypes = ("float32", "bfloat16")
+
+    def run(self, q, k, v, routes, scale, grad_out, dtype):
+        return run_torch(api.sparse_gqa_attention, q, k, v, routes, scale, grad_out, dtype)
+
+
+def _problem(rng, layout="packed", family="adversarial", heads=(4, 2), seq_len=24, dtype="float32"):
+    problem = make_problem(layout, family, seed=int(rng.integers(2**31)), seq_len=seq_len, width=10)
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, heads, 16, dtype)
+    return problem, q, k, v, do
+
+
+def _leaves(q, k, v, dtype=torch.float32):
+    return [torch.tensor(x, dtype=dtype, requires_grad=True) for x in (q, k, v)]
+
+
+@pytest.fixture
+def rng():
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def test_torch_compile_fullgraph_forward_and_backward(rng):
+    """One graph, no breaks; compiled results equal the oracle (aot_eager: dynamo + AOTAutograd
+    with the op's fake and autograd registrations, without inductor's slow C++ build)."""
+    problem, q, k, v, do = _problem(rng, "cp")
+    routes = torch.from_numpy(problem.routes)
+
+    def loss(q_, k_, v_, r_):
+        return (api.sparse_gqa_attention(q_, k_, v_, r_, 0.3) * torch.from_numpy(do).float()).sum()
+
+    explanation = torch._dynamo.explain(loss)(*_leaves(q, k, v), routes)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    leaves = _leaves(q, k, v)
+    compiled(*leaves, routes).backward()
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    for got, ref in zip([x.grad.numpy() for x in leaves], want[1:]):
+        assert relative_error(got, ref) < 1e-5
+    out = torch.compile(lambda *a: api.sparse_gqa_attention(*a, softmax_scale=0.3),
+                        fullgraph=True, backend="aot_eager")(*_leaves(q, k, v), routes)
+    assert relative_error(out.detach().numpy(), want[0]) < 1e-5
+
+
+def test_opcheck_forward_and_backward_ops(rng):
+    """Schema, fake (meta) implementations and autograd registration of both ops."""
+    problem, q, k, v, do = _problem(rng, seq_len=8)
+    routes = torch.from_numpy(problem.routes)
+    leaves = _leaves(q, k, v)
+    torch.library.opcheck(torch.ops.qsa.sparse_gqa_attention.default,
+                          (*leaves, routes, 0.25, "auto", True, "any"))
+    torch.library.opcheck(torch.ops.qsa.sparse_gqa_attention_backward.default,
+                          (torch.from_numpy(do).float(), *(x.detach() for x in leaves), routes,
+                           0.25, "auto", "any"))
+
+
+def test_meta_tensors_give_shapes_only(rng):
+    problem, q, k, v, _ = _problem(rng, "cp")
+    meta = [torch.empty(x.shape, device="meta") for x in (q, k, v)]
+    out = api.sparse_gqa_attention(*meta, torch.from_numpy(problem.routes).to("meta"))
+    assert out.device.type == "meta" and out.shape == q.shape and out.dtype == torch.float32
+
+
+def test_explicit_reference_equals_auto_and_default_scale(rng):
+    problem, q, k, v, _ = _problem(rng)
+    from qsa_torch.routes import to_torch_routes
+
+    routes = to_torch_routes(problem, dtype=torch.int32)  # huge int64 IDs become -1, not wrapped
+    args = [torch.tensor(x, dtype=torch.float32) for x in (q, k, v)]
+    auto = api.sparse_gqa_attention(*args, routes)
+    ref = api.sparse_gqa_attention(*args, routes, 16 ** -0.5, backend="reference")
+    want = oracle_forward_backward(q, k, v, problem.routes, 16 ** -0.5)[0]
+    assert relative_error(auto.numpy(), want) < 1e-5
+    assert torch.equal(auto, ref)
+
+
+def test_cpu_preference_is_the_reference():
+    assert api.device_class(torch.device("cpu")) == "cpu"
+    assert api.candidate_backends(torch.device("cpu")) == ("reference",)
+    for row in api.PREFERENCE.values():
+        assert set(row) <= set(api.BACKENDS)
+
+
+def test_auto_skips_unsupported_backends_with_a_logged_reason(rng, monkeypatch, caplog):
+    """flex has no CPU backward: auto must skip it when gradients are needed, use it otherwise."""
+    monkeypatch.setitem(api.PREFERENCE, "cpu", ("fa4", "flex"))
+    monkeypatch.setattr(api, "_LOGGED", set())
+    problem, q, k, v, do = _problem(rng, "padded", "qsa")
+    routes = torch.from_numpy(problem.routes)
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.25, do)
+    leaves = _leaves(q, k, v)
+    with caplog.at_level(logging.DEBUG, logger="qsa_torch"):
+        out = api.sparse_gqa_attention(*leaves, routes, 0.25)
+        out.backward(torch.from_numpy(do).float())
+    text = caplog.text
+    assert "skipping backend 'fa4': needs an SM90" in text
+    assert "skipping backend 'flex': FlexAttention has no CPU backward" in text
+    assert "ran backend 'reference'" in text
+    for got, ref in zip([out.detach(), *(x.grad for x in leaves)], want):
+        assert relative_error(got.numpy(), ref) < 1e-5
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="qsa_torch"), torch.no_grad():
+        out = api.sparse_gqa_attention(*leaves, routes, 0.25)
+    assert "ran backend 'flex'" in caplog.text
+    assert relative_error(out.numpy(), want[0]) < 1e-5
+
+
+def _raising_backend(*args, **kwargs):
+    raise NotImplementedError("this test backend declines every input")
+
+
+def test_auto_falls_back_when_a_backend_raises(rng, monkeypatch, caplog):
+    monkeypatch.setitem(api.BACKENDS, "declines",
+                        api._Backend("test_torch_api", "_raising_backend", (torch.float32,), True))
+    monkeypatch.setitem(api.PREFERENCE, "cpu", ("declines",))
+    monkeypatch.setattr(api, "_LOGGED", set())
+    problem, q, k, v, do = _problem(rng)
+    leaves = _leaves(q, k, v)
+    with caplog.at_level(logging.INFO, logger="qsa_torch"):
+        out = api.sparse_gqa_attention(*leaves, torch.from_numpy(problem.routes), 0.5)
+        out.backward(torch.from_numpy(do).float())
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and "declines every input" in warnings[0].getMessage()
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.5, do)
+    for got, ref in zip([out.detach(), *(x.grad for x in leaves)], want):
+        assert relative_error(got.numpy(), ref) < 1e-5
+
+
+def test_explicit_backend_errors_propagate(rng, monkeypatch):
+    problem, q, k, v, do = _problem(rng)
+    routes = torch.from_numpy(problem.routes)
+    args = [torch.tensor(x) for x in (q, k, v)]
+    monkeypatch.setitem(api.BACKENDS, "declines",
+                        api._Backend("test_torch_api", "_raising_backend", (torch.float32,), True))
+    with pytest.raises(NotImplementedError, match="declines"):
+        api.sparse_gqa_attention(*args, routes, backend="declines")
+    leaves = _leaves(q, k, v)
+    out = api.sparse_gqa_attention(*leaves, routes, backend="flex")  # CPU forward works
+    with pytest.raises(NotImplementedError, match="CPU backward|CUDA"):
+        out.backward(torch.from_numpy(do).float())
+
+
+def test_unsupported_reasons():
+    from qsa_common.contract import ProblemDims
+
+    dims = ProblemDims(1, 64, 64, 24, 2, 256, 2052)
+    cpu = torch.device("cpu")
+    reason = api.unsupported_reason
+    assert reason("reference", dims, cpu, torch.float32, needs_grad=True) is None
+    assert "SM90" in reason("fa4", dims, cpu, torch.bfloat16, needs_grad=False)
+    assert "Blackwell" in reason("cudnn", dims, cpu, torch.bfloat16, needs_grad=False)
+    assert "only" in reason("reference", dims, cpu, torch.int32, needs_grad=False)
+    assert "CPU backward" in reason("flex", dims, cpu, torch.float32, needs_grad=True)
+    assert reason("flex", dims, cpu, torch.float32, needs_grad=False) is None
+
+
+@pytest.mark.parametrize("capability,cls,order", [
+    ((9, 0), "sm90", ("triton", "fa4", "flex", "reference")),
+    ((10, 3), "sm100", ("cudnn", "triton", "fa4", "flex", "reference")),
+    ((8, 0), "cuda", ("triton", "flex", "reference")),
+])
+def test_gpu_preference_rows(monkeypatch, capability, cls, order):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda")
+    assert api.device_class(cuda) == cls
+    assert api.candidate_backends(cuda) == order
+    from qsa_common.contract import ProblemDims
+
+    model = ProblemDims(1, 64, 64, 12, 1, 256, 2052)
+    fa4 = api.unsupported_reason("fa4", model, cuda, torch.bfloat16, needs_grad=True)
+    assert (fa4 is None or "not installed" in fa4) if cls == "sm90" else "SM90" in fa4
+    cp = ProblemDims(1, 32, 64, 12, 1, 256, 2052)
+    cudnn = api.unsupported_reason("cudnn", cp, cuda, torch.bfloat16, needs_grad=True,
+                                   route_format="qsa")
+    if cls == "sm100":
+        assert "context-parallel" in cudnn or "not installed" in cudnn
+        assert "QSA-format" in api.unsupported_reason("cudnn", model, cuda, torch.bfloat16,
+                                                      needs_grad=True)
+
+
+@pytest.mark.parametrize("kwargs,exc,text", [
+    (dict(backend="fastest"), ValueError, "backend"),
+    (dict(route_format="blocks"), ValueError, "route_format"),
+    (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    (dict(softmax_scale="0.5"), TypeError, "softmax_scale"),
+])
+def test_bad_arguments(rng, kwargs, exc, text):
+    problem, q, k, v, _ = _problem(rng)
+    args = [torch.tensor(x) for x in (q, k, v)]
+    with pytest.raises(exc, match=text):
+        api.sparse_gqa_attention(*args, torch.from_numpy(problem.routes), **kwargs)
+
+
+def test_bad_shapes_and_dtypes_are_the_contracts_errors(rng):
+    problem, q, k, v, _ = _problem(rng)
+    args = [torch.tensor(x, dtype=torch.float32) for x in (q, k, v)]
+    routes = torch.from_numpy(problem.routes)
+    with pytest.raises(ValueError, match="query"):
+        api.sparse_gqa_attention(args[0][0], *args[1:], routes)
+    with pytest.raises(TypeError, match="selected_token_ids"):
+        api.sparse_gqa_attention(*args, routes.float())
+    with pytest.raises(TypeError, match="key"):
+        api.sparse_gqa_attention(args[0], args[1].double(), args[2], routes)
+
+
+@pytest.mark.gpu
+def test_auto_on_gpu_matches_the_oracle_and_compiles(rng, caplog):
+    """On a GPU, "auto" picks a fast backend (logged); eager and inductor-compiled results
+    agree with the float64 oracle within the bf16 tolerance, gradients included."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU for torch")
+    problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=1024, top_k=64)
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, (12, 1), 256, "bfloat16")
+    want = oracle_forward_backward(q, k, v, problem.routes, 1 / 16, do)
+    routes = torch.from_numpy(problem.routes).cuda()
+
+    def run(fn):
+        leaves = [torch.tensor(x, dtype=torch.bfloat16, device="cuda", requires_grad=True) for x in (q, k, v)]
+        out = fn(*leaves, routes)
+        out.backward(torch.tensor(do, dtype=torch.bfloat16, device="cuda"))
+        return [t.detach().double().cpu().numpy() for t in (out, *(x.grad for x in leaves))]
+
+    attention = lambda *a: api.sparse_gqa_attention(*a, softmax_scale=1 / 16)  # noqa: E731
+    with caplog.at_level(logging.DEBUG, logger="qsa_torch"):
+        eager = run(attention)
+    ran = [r.getMessage() for r in caplog.records if "ran backend" in r.getMessage()]
+    print(ran)
+    assert ran and "'reference'" not in ran[0], f"auto fell back to the reference: {caplog.text}"
+    compiled = run(torch.compile(attention, fullgraph=True))
+    for name, e, c, w in zip(("out", "dq", "dk", "dv"), eager, compiled, want):
+        assert relative_error(e, w) < 1e-2, name
+        assert relative_error(c, w) < 1e-2, name
