@@ -7,20 +7,24 @@ torch and numpy.
 """
 
 from .api import sparse_gqa_attention
+from .context_parallel import context_parallel_sparse_gqa_attention
 from .cudnn_qsa import cudnn_sparse_gqa_attention
 from .fa4_qsa import fa4_sparse_gqa_attention
 from .flex_qsa import flex_sparse_gqa_attention
+from .indexer import qsa_indexer_routes
 from .reference import reference_sparse_gqa_attention
 from .triton_qsa import triton_sparse_gqa_attention
 from .routes import generate_problem, membership_table, normalize_routes, validate_inputs
 
 __all__ = [
+    "context_parallel_sparse_gqa_attention",
     "cudnn_sparse_gqa_attention",
     "fa4_sparse_gqa_attention",
     "flex_sparse_gqa_attention",
     "generate_problem",
     "membership_table",
     "normalize_routes",
+    "qsa_indexer_routes",
     "reference_sparse_gqa_attention",
     "sparse_gqa_attention",
     "triton_sparse_gqa_attention",

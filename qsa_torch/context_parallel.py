@@ -1,0 +1,107 @@
+"""Context parallelism for QSA in PyTorch over ``torch.distributed``.
+
+Each rank holds a contiguous slice of the query rows and the matching slice of
+the key/value rows. K and V are all-gathered (one collective for both) into the
+global sequence, and each rank attends its local queries to the global K/V with
+routes in global coordinates (CONTRACT.md layout 3). The gather is an autograd
+function whose backward reduce-scatters dK/dV, so every rank receives the
+gradient of exactly its own K/V slice, summed over all ranks' queries.
+
+Any attention function with the contract's signature works as the backend
+(``attention_fn``): it sees ``S_q`` local rows and ``S_kv`` global rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .reference import reference_sparse_gqa_attention
+from .routes import validate_inputs
+
+__all__ = ["context_parallel_sparse_gqa_attention", "gather_sequence"]
+
+
+def _tensor_collectives(tensor: torch.Tensor, group) -> bool:
+    """NCCL has the flat-tensor collectives (reduce_scatter_tensor, all_gather_into_tensor);
+    gloo may not, so it gets list all_gather and all_reduce + slice instead."""
+    return tensor.is_cuda and "nccl" in str(dist.get_backend(group)).lower()
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim``; backward reduce-scatters the gradient along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, dim: int, group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        world = dist.get_world_size(group)
+        local = local.contiguous()
+        stacked = local.new_empty((world,) + tuple(local.shape))
+        if _tensor_collectives(local, group):
+            dist.all_gather_into_tensor(stacked, local, group=group)
+        else:
+            dist.all_gather(list(stacked.unbind(0)), local, group=group)
+        return torch.cat(stacked.unbind(0), dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group, world = ctx.group, dist.get_world_size(ctx.group)
+        parts = torch.stack(grad.chunk(world, dim=ctx.dim))  # [world, *local shape]
+        if _tensor_collectives(parts, group):
+            local = parts.new_empty(parts.shape[1:])
+            dist.reduce_scatter_tensor(local, parts, op=dist.ReduceOp.SUM, group=group)
+        else:
+            dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=group)
+            local = parts[dist.get_rank(group)]
+        return local, None, None
+
+
+def gather_sequence(local: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
+    """Concatenate every rank's ``local`` along ``dim`` (rank order), differentiably.
+
+    All ranks must pass the same shape. The gradient each rank gets back is the
+    sum over ranks of the gradient flowing into its own slice.
+    """
+    return _GatherSequence.apply(local, dim, group)
+
+
+def context_parallel_sparse_gqa_attention(
+    query_local: torch.Tensor,
+    key_local: torch.Tensor,
+    value_local: torch.Tensor,
+    selected_token_ids_local: torch.Tensor,
+    softmax_scale: float | None = None,
+    *,
+    group=None,
+    attention_fn: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Route-sparse GQA with the sequence split over the ranks of ``group``.
+
+    Args:
+        query_local: ``[B, S_q_local, Hq, D]``, this rank's query rows.
+        key_local, value_local: ``[B, S_kv_local, Hkv, D]``, this rank's K/V rows;
+            the same shape on every rank; rank r holds global rows
+            ``r * S_kv_local .. (r+1) * S_kv_local - 1``.
+        selected_token_ids_local: ``[B, S_q_local, K]`` routes of the local rows
+            in global K/V coordinates ``[0, world * S_kv_local)``.
+        softmax_scale: finite positive scale, default ``1/sqrt(D)``.
+        group: process group (default: the world).
+        attention_fn: ``fn(query, key, value, routes, scale)`` accepting
+            ``S_q != S_kv``; default ``qsa_torch.reference_sparse_gqa_attention``.
+
+    Returns:
+        ``[B, S_q_local, Hq, D]`` local output. Gradients reach ``query_local``,
+        ``key_local`` and ``value_local`` (dK/dV reduce-scattered across ranks).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError / TypeError: local inputs that break the contract.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("context_parallel_sparse_gqa_attention needs an initialised torch.distributed")
+    validate_inputs(query_local, key_local, value_local, selected_token_ids_local, softmax_scale)
+    kv = gather_sequence(torch.stack([key_local, value_local]), dim=2, group=group)
+    fn = reference_sparse_gqa_attention if attention_fn is None else attention_fn
+    return fn(query_local, kv[0], kv[1], selected_token_ids_local, softmax_scale)

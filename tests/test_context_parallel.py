@@ -1,0 +1,187 @@
+"""Context parallelism: the JAX shard_map wrapper on several host devices and the
+torch.distributed wrapper on 2 gloo processes, each against the single-device
+result and the float64 oracle (outputs and dq, dk, dv)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import numpy as np
+import pytest
+
+from contract_base import TOLERANCE, random_inputs
+from qsa_common.layouts import make_problem
+from qsa_common.oracle import oracle_forward_backward, relative_error
+
+HEADS, DIM = (4, 2), 16
+
+
+def problem_and_inputs(rng, layout, family, seq_len, dtype="float32", batch=2):
+    problem = make_problem(layout, family, seed=int(rng.integers(2**31)), seq_len=seq_len,
+                           top_k=3, width=16, batch=batch)
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, HEADS, DIM, dtype)
+    return problem.routes, q, k, v, do
+
+
+def assert_close(got, single, want, dtype, label):
+    for name, g, s, w in zip(("out", "dq", "dk", "dv"), got, single, want):
+        assert relative_error(g, w) < TOLERANCE[dtype], f"{label} {name} vs oracle"
+        # same kernel, same rows: only the dK/dV summation order may differ
+        assert relative_error(g, s) < (1e-6 if dtype == "float32" else 1e-2), f"{label} {name} vs single"
+
+
+# ------------------------------------------------------------------------- JAX
+def jax_vjp(fn, q, k, v, do, dtype):
+    import jax
+    import jax.numpy as jnp
+
+    args = [jnp.asarray(x, jnp.dtype(dtype)) for x in (q, k, v)]
+    out, pull = jax.vjp(fn, *args)
+    grads = pull(jnp.asarray(do, jnp.dtype(dtype)))
+    return out, tuple(np.asarray(t, np.float64) for t in (out, *grads))
+
+
+@pytest.mark.parametrize("devices,layout,family", [
+    (2, "packed", "qsa"), (4, "padded", "adversarial"), (4, "packed", "random"),
+])
+def test_jax_cp_matches_single_device(devices, layout, family):
+    import jax
+    from jax.sharding import Mesh
+
+    from qsa_jax import sparse_gqa_attention
+    from qsa_jax.context_parallel import context_parallel_sparse_gqa_attention as cp
+
+    assert len(jax.devices()) >= devices, "conftest asks XLA for 4 host devices"
+    rng = np.random.default_rng()
+    routes, q, k, v, do = problem_and_inputs(rng, layout, family, 32)
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("cp",))
+    cp_fn = jax.jit(lambda a, b, c: cp(a, b, c, routes, 0.4, mesh=mesh, implementation="xla"))
+    out, got = jax_vjp(cp_fn, q, k, v, do, "float32")
+    assert len(out.sharding.device_set) == devices and not out.sharding.is_fully_replicated
+    _, single = jax_vjp(lambda a, b, c: sparse_gqa_attention(a, b, c, routes, 0.4, implementation="xla"),
+                        q, k, v, do, "float32")
+    want = oracle_forward_backward(q, k, v, routes, 0.4, do)
+    assert_close(got, single, want, "float32", f"jax cp x{devices} {layout}/{family}")
+
+
+def test_jax_cp_on_a_2d_mesh_with_vma_check_and_bf16():
+    import jax
+    from jax.sharding import Mesh
+
+    from qsa_jax import sparse_gqa_attention
+    from qsa_jax.context_parallel import context_parallel_sparse_gqa_attention as cp
+
+    rng = np.random.default_rng()
+    routes, q, k, v, do = problem_and_inputs(rng, "padded", "qsa", 32, dtype="bfloat16")
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "cp"))
+    fn = jax.jit(lambda a, b, c: cp(a, b, c, routes, mesh=mesh, batch_axis="dp", check_vma=True))
+    _, got = jax_vjp(fn, q, k, v, do, "bfloat16")
+    _, single = jax_vjp(lambda a, b, c: sparse_gqa_attention(a, b, c, routes), q, k, v, do, "bfloat16")
+    want = oracle_forward_backward(q, k, v, routes, DIM ** -0.5, do)
+    assert_close(got, single, want, "bfloat16", "jax cp 2x2 bf16")
+
+
+def test_jax_cp_rejects_bad_layouts():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from qsa_jax.context_parallel import context_parallel_sparse_gqa_attention as cp
+
+    rng = np.random.default_rng()
+    routes, q, k, v, _ = problem_and_inputs(rng, "packed", "qsa", 30, batch=1)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("cp",))
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    with pytest.raises(ValueError, match="S_q = 30 is not divisible"):
+        cp(*args, routes, mesh=mesh)
+    with pytest.raises(ValueError, match="not an axis"):
+        cp(*args, routes, mesh=mesh, axis_name="sp")
+    with pytest.raises(ValueError, match="selected_token_ids"):
+        cp(*args, routes[:, :-2], mesh=mesh)
+
+
+# ----------------------------------------------------------------------- torch
+def _torch_worker(rank, world, init_file, case_file, out_dir):
+    """One gloo rank: its slice of queries and K/V through the CP wrapper."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch
+    import torch.distributed as dist
+
+    from qsa_torch import reference_sparse_gqa_attention
+    from qsa_torch.context_parallel import context_parallel_sparse_gqa_attention as cp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        case = np.load(case_file)
+        s_loc, kv_loc = case["q"].shape[1] // world, case["k"].shape[1] // world
+        rows, kv_rows = slice(rank * s_loc, (rank + 1) * s_loc), slice(rank * kv_loc, (rank + 1) * kv_loc)
+        dtype = getattr(torch, str(case["dtype"]))
+        q, k, v = (torch.tensor(case[n][:, r], dtype=dtype, requires_grad=True)
+                   for n, r in (("q", rows), ("k", kv_rows), ("v", kv_rows)))
+        routes = torch.from_numpy(case["routes"][:, rows])
+        results = {}
+        for label, kwargs in (
+            ("default", {}),
+            ("group+fn", dict(group=dist.new_group([0, 1]),
+                              attention_fn=functools.partial(reference_sparse_gqa_attention, chunk_rows=3))),
+        ):
+            out = cp(q, k, v, routes, float(case["scale"]), **kwargs)
+            out.backward(torch.tensor(case["do"][:, rows], dtype=dtype))
+            for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+                results[f"{label}/{name}"] = t.detach().double().numpy()
+            for t in (q, k, v):
+                t.grad = None
+        np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world, args, timeout=120.0):
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            pytest.fail(f"distributed workers did not finish in {timeout}s")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_cp_gloo_two_processes(tmp_path, dtype):
+    import torch
+
+    from qsa_torch import reference_sparse_gqa_attention
+
+    rng = np.random.default_rng()
+    routes, q, k, v, do = problem_and_inputs(rng, "packed", "adversarial" if dtype == "float32" else "qsa",
+                                             40, dtype=dtype, batch=1)
+    scale = 0.3
+    np.savez(tmp_path / "case.npz", q=q, k=k, v=v, do=do, routes=routes, scale=scale, dtype=dtype)
+    spawn(_torch_worker, 2, (str(tmp_path / "init"), str(tmp_path / "case.npz"), str(tmp_path)))
+    ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
+
+    tdtype = getattr(torch, dtype)
+    leaves = [torch.tensor(x, dtype=tdtype, requires_grad=True) for x in (q, k, v)]
+    out = reference_sparse_gqa_attention(*leaves, torch.from_numpy(routes), scale)
+    out.backward(torch.tensor(do, dtype=tdtype))
+    single = [t.detach().double().numpy() for t in (out, *(x.grad for x in leaves))]
+    want = oracle_forward_backward(q, k, v, routes, scale, do)
+    for label in ("default", "group+fn"):
+        got = [np.concatenate([r[f"{label}/{n}"] for r in ranks], axis=1) for n in ("out", "dq", "dk", "dv")]
+        assert_close(got, single, want, dtype, f"torch cp gloo {label} {dtype}")
+
+
+def test_torch_cp_needs_an_initialised_process_group():
+    import torch
+
+    from qsa_torch.context_parallel import context_parallel_sparse_gqa_attention as cp
+
+    t = torch.randn(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="torch.distributed"):
+        cp(t, t[:, :, :1], t[:, :, :1], torch.zeros(1, 4, 3, dtype=torch.int64))
