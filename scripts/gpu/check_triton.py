@@ -411,6 +411,58 @@ def _smoke_setup() -> None:
     del FWD_CONFIGS[2:], BWD_CONFIGS[1:-1]
 
 
+def _run_phases(args, report, futures, sanitizer, save):
+    """Correctness, sanitizer, then the block-size sweep; ``save()`` after each phase."""
+    import torch
+
+    for (_, layout, fam), fut in [(k, f) for k, f in futures.items() if k[0] == "c"]:
+        got = _record({}, "gen", fut.result)
+        if not got["ok"]:
+            report["correctness"][f"{layout} | {fam} | -"] = got
+            continue
+        routes_np, kv_length = got["result"]
+        route_dtype = torch.int32 if fam == "qsa" else torch.int64
+        for heads in ((24, 2), (12, 1)):
+            _record(report["correctness"], f"{layout} | {fam} | {heads}", check_correctness,
+                    routes_np, kv_length, heads, route_dtype)
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        gen = _record({}, "gen", futures[("c", "packed", "qsa")].result)
+        if gen["ok"]:
+            _record(report, "no_host_sync", check_no_host_sync, *gen["result"])
+    report["seconds_correctness"] = round(_elapsed(), 1)
+    save()
+
+    # the sanitizer shares the GPU: let it finish before anything is timed
+    if DEVICE == "cuda":
+        report["sanitizer"] = finish_sanitizer(sanitizer, args.out, timeout=200 - _elapsed())
+    else:
+        report["sanitizer"] = {"reason": "smoke run", "returncode": sanitizer_probe()}
+    save()
+
+    for i, seq in enumerate(BENCH_PROBLEMS):
+        got = _record({}, "gen", futures[("b", seq)].result)
+        if not got["ok"]:
+            report["autotune"][f"S={seq}"] = [{"config": "-", "error": got["error"]}]
+            continue
+        bench = Bench(*got["result"])
+        if i == 0:
+            autotune(bench, FWD_CONFIGS, BWD_CONFIGS, report["autotune"], f"S={seq}")
+        else:
+            # the default plus the two best forward and backward configurations at S=8192
+            prev = report["autotune"].get(f"S={next(iter(BENCH_PROBLEMS))}", [])
+            best_f = [r["fwd"] for r in _best(prev, "forward_kernel_ms", "fwd")[:2]]
+            best_b = [r["bwd"] for r in _best(prev, "backward_kernel_ms", "bwd")[:2]]
+            fwd = list(dict.fromkeys([FWD_CONFIGS[0]] + best_f))
+            bwd = list(dict.fromkeys([BWD_CONFIGS[0]] + best_b))
+            autotune(bench, fwd, bwd, report["autotune"], f"S={seq}")
+        del bench
+        save()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("out"))
@@ -440,49 +492,14 @@ def main() -> int:
               "correctness": {}, "autotune": {}, "sanitizer": {}}
     sanitizer = start_sanitizer(args.out) if DEVICE == "cuda" else None
 
-    for (_, layout, fam), fut in [(k, f) for k, f in futures.items() if k[0] == "c"]:
-        got = _record({}, "gen", fut.result)
-        if not got["ok"]:
-            report["correctness"][f"{layout} | {fam} | -"] = got
-            continue
-        routes_np, kv_length = got["result"]
-        route_dtype = torch.int32 if fam == "qsa" else torch.int64
-        for heads in ((24, 2), (12, 1)):
-            _record(report["correctness"], f"{layout} | {fam} | {heads}", check_correctness,
-                    routes_np, kv_length, heads, route_dtype)
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
-    if DEVICE == "cuda":
-        gen = _record({}, "gen", futures[("c", "packed", "qsa")].result)
-        if gen["ok"]:
-            _record(report, "no_host_sync", check_no_host_sync, *gen["result"])
-    report["seconds_correctness"] = round(_elapsed(), 1)
+    def save() -> None:
+        # written after every phase so that a run killed by its time limit keeps what it measured
+        (args.out / "check_triton.json").write_text(json.dumps(report, indent=1, default=str))
 
-    # the sanitizer shares the GPU: let it finish before anything is timed
-    if DEVICE == "cuda":
-        report["sanitizer"] = finish_sanitizer(sanitizer, args.out, timeout=200 - _elapsed())
-    else:
-        report["sanitizer"] = {"reason": "smoke run", "returncode": sanitizer_probe()}
-
-    for i, seq in enumerate(BENCH_PROBLEMS):
-        got = _record({}, "gen", futures[("b", seq)].result)
-        if not got["ok"]:
-            report["autotune"][f"S={seq}"] = [{"config": "-", "error": got["error"]}]
-            continue
-        bench = Bench(*got["result"])
-        if i == 0:
-            autotune(bench, FWD_CONFIGS, BWD_CONFIGS, report["autotune"], f"S={seq}")
-        else:
-            # the default plus the two best forward and backward configurations at S=8192
-            prev = report["autotune"].get(f"S={next(iter(BENCH_PROBLEMS))}", [])
-            best_f = [r["fwd"] for r in _best(prev, "forward_kernel_ms", "fwd")[:2]]
-            best_b = [r["bwd"] for r in _best(prev, "backward_kernel_ms", "bwd")[:2]]
-            fwd = list(dict.fromkeys([FWD_CONFIGS[0]] + best_f))
-            bwd = list(dict.fromkeys([BWD_CONFIGS[0]] + best_b))
-            autotune(bench, fwd, bwd, report["autotune"], f"S={seq}")
-        del bench
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
+    try:
+        _run_phases(args, report, futures, sanitizer, save)
+    finally:
+        save()
     pool.shutdown(cancel_futures=True)
 
     from qsa_torch import triton_qsa
