@@ -96,7 +96,8 @@ def tile_route_union(routes: jax.Array, rows: int, block_k: int):
 
     Args:
         routes: ``[B, S_q, K]`` int32 routes; IDs < 0 are padding (call with
-            IDs already clipped to ``[-1, S_kv)``). Duplicates are allowed.
+            IDs already clipped to ``[-1, S_kv)``, S_kv * rows < 2**31).
+            Duplicates are allowed.
         rows: T, query rows per tile (<= 16).
         block_k: the union width is padded to a multiple of this.
 
@@ -110,15 +111,16 @@ def tile_route_union(routes: jax.Array, rows: int, block_k: int):
     n_tiles = -(-s_q // rows)
     r = jnp.pad(routes, ((0, 0), (0, n_tiles * rows - s_q), (0, 0)), constant_values=-1)
     r = r.reshape(bsz, n_tiles, rows * width)
-    ids = jnp.where(r >= 0, r, _NO_ID)
-    tok = jnp.broadcast_to(jnp.repeat(jnp.arange(rows, dtype=jnp.int32), width), ids.shape)
-    ids, tok = jax.lax.sort((ids, tok), dimension=2, num_keys=2)
-    valid = ids != _NO_ID
-    prev_id = jnp.pad(ids[..., :-1], ((0, 0), (0, 0), (1, 0)), constant_values=-1)
-    prev_tok = jnp.pad(tok[..., :-1], ((0, 0), (0, 0), (1, 0)), constant_values=-1)
-    first = valid & (ids != prev_id)
+    # One int32 sort key per (ID, row) pair: a single-operand sort (XLA can hand
+    # it to a radix sort) instead of a two-key comparator sort.
+    tok = jnp.broadcast_to(jnp.repeat(jnp.arange(rows, dtype=jnp.int32), width), r.shape)
+    keys = jnp.sort(jnp.where(r >= 0, r * rows + tok, _NO_ID), axis=2)
+    valid = keys != _NO_ID
+    ids, tok = keys // rows, keys % rows
+    prev_key = jnp.pad(keys[..., :-1], ((0, 0), (0, 0), (1, 0)), constant_values=-1)
+    first = valid & (ids != prev_key // rows)
     # a repeated (ID, row) pair adds its bit once
-    fresh = valid & ((ids != prev_id) | (tok != prev_tok))
+    fresh = valid & (keys != prev_key)
     slot = jnp.cumsum(first, axis=2, dtype=jnp.int32) - 1
     width_pad = -(-rows * width // block_k) * block_k
     slot = jnp.where(valid, slot, width_pad)  # out of bounds: dropped
@@ -369,7 +371,8 @@ def pallas_sparse_gqa_attention(
     fp32 atomics: not bitwise deterministic.
 
     Raises:
-        NotImplementedError: f64 inputs or D > 256 (use ``implementation="xla"``).
+        NotImplementedError: f64 inputs, D > 256 or S_kv >= 2**27 (use
+            ``implementation="xla"``).
     """
     routes = prepare_routes(selected_token_ids)
     checked = validate_inputs(query, key, value, routes, softmax_scale)
@@ -377,6 +380,10 @@ def pallas_sparse_gqa_attention(
         raise NotImplementedError("the Pallas kernels take bf16/f16/f32, not float64")
     if checked.dims.head_dim > 256:
         raise NotImplementedError(f"the Pallas kernels support head dim <= 256, got {checked.dims.head_dim}")
+    if checked.dims.kv_length * 16 >= 2**31:
+        raise NotImplementedError(
+            f"the Pallas kernels need S_kv < 2**27, got {checked.dims.kv_length} (int32 sort keys)"
+        )
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if block_sizes is None:
