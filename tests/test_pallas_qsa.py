@@ -142,3 +142,23 @@ def test_implementation_list_falls_back_with_reasons():
         sparse_gqa_attention(x, x, x, routes, implementation=["pallas"], interpret=True)
     with pytest.raises(ValueError, match="unknown implementation"):
         sparse_gqa_attention(x, x, x, routes, implementation="cuda")
+
+
+def test_donated_and_sharded_inputs():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    rng = np.random.default_rng()
+    problem = make_problem("padded", "qsa", seed=int(rng.integers(2**31)), seq_len=16, top_k=2, batch=2)
+    q, k, v, _ = random_inputs(rng, problem.routes, 16, (4, 2), 8, "float32")
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.5)[0]
+    routes = jnp.asarray(problem.routes.astype(np.int32))
+    donating = jax.jit(lambda a, b, c, r: pallas(a, b, c, r, 0.5), donate_argnums=(0, 1, 2))
+    out = donating(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), routes)
+    assert relative_error(np.asarray(out), want) < 1e-5
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    by_batch = NamedSharding(mesh, PartitionSpec("data"))
+    sharded = [jax.device_put(jnp.asarray(x, jnp.float32), by_batch) for x in (q, k, v)]
+    out = jax.jit(lambda a, b, c, r: pallas(a, b, c, r, 0.5))(*sharded, jax.device_put(routes, by_batch))
+    assert relative_error(np.asarray(out), want) < 1e-5
