@@ -331,7 +331,9 @@ def _jax_shape(backend, fn, shape: Shape, routes_np, head_dim, dtype, timer, dea
     k = jax.random.normal(keys[1], (1, s, hkv, head_dim), jdtype)
     v = jax.random.normal(keys[2], (1, s, hkv, head_dim), jdtype)
     do = jax.random.normal(keys[3], (1, s, hq, head_dim), jdtype)
-    routes = jnp.asarray(routes_np)
+    from qsa_jax.routes import prepare_routes
+
+    routes = jnp.asarray(prepare_routes(routes_np))  # int64 past int32 stays padding
     scale = head_dim ** -0.5
     forward = _jitted(fn, scale, False)
     fwd = _measure(timer, lambda: forward(q, k, v, routes), deadline=deadline)

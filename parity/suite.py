@@ -240,7 +240,8 @@ class _Inputs:
                            for s in shapes)
             self._tensors = (key, arrays)
         q, k, v, do = self._tensors[1]
-        return CaseInputs(q, k, v, do, routes, case.head_dim ** -0.5)
+        # not the default 1/sqrt(D), so a backend that ignores softmax_scale fails
+        return CaseInputs(q, k, v, do, routes, 0.77 * case.head_dim ** -0.5)
 
 
 def _device_lost(message: str) -> bool:
@@ -305,15 +306,16 @@ class _Runner:
             try:
                 return run_backend(b, inputs, case.dtype, backward=True), grad_reason
             except NotImplementedError as err:
-                grad_reason = f"no backward here ({err})"
-                if not _on_gpu(b, self.env):
-                    grad_reason += "; checked on GPU only"
+                if _on_gpu(b, self.env):  # every backend has a backward on the GPU
+                    raise RuntimeError(f"backward raised NotImplementedError on the GPU: {err}") from err
+                grad_reason = f"no backward here ({err}); checked on GPU only"
                 return run_backend(b, inputs, case.dtype, backward=False), grad_reason
         except ImportError as err:  # an optional runtime imported on first call
             self._cells(label, b.name, "unavailable",
                         self._mark_broken(b.name, f"unavailable: {type(err).__name__}: {err}"))
         except NotImplementedError as err:
-            self._cells(label, b.name, "unavailable", f"NotImplementedError: {err}")
+            # the backend's static checks said it supports this case: refusing it is a failure
+            self._cells(label, b.name, "error", f"NotImplementedError: {err}")
         except Exception as err:  # noqa: BLE001: every other exception is a failure of this cell
             message = f"{type(err).__name__}: {err}"
             if _on_gpu(b, self.env) and _device_lost(message):

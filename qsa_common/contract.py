@@ -13,7 +13,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-__all__ = ["ProblemDims", "check_shapes", "resolve_scale"]
+__all__ = ["ProblemDims", "check_chunk_rows", "check_shapes", "resolve_scale"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +104,16 @@ def resolve_scale(softmax_scale: object, head_dim: int) -> float:
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"softmax_scale must be finite and positive, got {scale!r}")
     return scale
+
+
+def check_chunk_rows(chunk_rows: object) -> int:
+    """A references' ``chunk_rows``: a positive int (bools refused).
+
+    Raises:
+        TypeError: not an int. ValueError: not positive.
+    """
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral):
+        raise TypeError(f"chunk_rows must be a positive int or None, got {type(chunk_rows).__name__}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows}")
+    return int(chunk_rows)

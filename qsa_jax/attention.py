@@ -2,8 +2,13 @@
 
 ``implementation`` may be a name or a sequence of names; the first that does
 not raise ``NotImplementedError`` for the given inputs runs, otherwise all the
-reasons are raised together. ``None`` means ``"pallas"`` on a GPU and
-``"xla"`` elsewhere.
+reasons are raised together. ``None`` means ``("pallas", "xla")`` when the
+inputs live on GPUs (the reference takes what the kernels refuse, e.g. D > 256
+or float64) and ``"xla"`` elsewhere.
+
+int64 routes: pass them as numpy arrays (they are checked on the host, so IDs
+past int32 stay padding). A jax array, or a ``jax.jit`` argument, is already
+int32 unless x64 is enabled: JAX itself wraps huge int64 IDs when converting.
 """
 
 from __future__ import annotations
@@ -11,9 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-
-from .routes import prepare_routes, validate_inputs
+from .routes import on_gpu, prepare_routes, validate_inputs
 from .xla_reference import reference_sparse_gqa_attention
 
 __all__ = ["sparse_gqa_attention", "IMPLEMENTATIONS"]
@@ -33,16 +36,6 @@ def _pallas(query, key, value, routes, scale, *, block_sizes, interpret):
 
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"xla": _xla, "pallas": _pallas}
-
-
-def _default_implementation(query) -> str:
-    try:
-        devices = query.devices() if isinstance(query, jax.Array) and not isinstance(
-            query, jax.core.Tracer
-        ) else {jax.devices()[0]}
-    except Exception:
-        devices = {jax.devices()[0]}
-    return "pallas" if all(d.platform == "gpu" for d in devices) else "xla"
 
 
 def sparse_gqa_attention(
@@ -68,7 +61,7 @@ def sparse_gqa_attention(
             gather reference), a sequence of them tried in order, or ``None``.
         block_sizes: a ``qsa_jax.pallas_qsa.BlockSizes`` for the Pallas kernels.
         interpret: run the Pallas kernels in interpret mode (CPU); default: on
-            when no GPU backs the inputs.
+            when the inputs do not live on GPUs.
 
     Returns:
         ``[B, S_q, Hq, D]`` in query's dtype. Empty rows are exactly zero and
@@ -81,7 +74,7 @@ def sparse_gqa_attention(
     routes = prepare_routes(selected_token_ids)
     checked = validate_inputs(query, key, value, routes, softmax_scale)
     if implementation is None:
-        names: Sequence[str] = (_default_implementation(query),)
+        names: Sequence[str] = ("pallas", "xla") if on_gpu(query) else ("xla",)
     elif isinstance(implementation, str):
         names = (implementation,)
     else:

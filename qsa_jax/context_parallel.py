@@ -77,7 +77,9 @@ def context_parallel_sparse_gqa_attention(
     """Route-sparse GQA with the sequence split over mesh axis ``axis_name``.
 
     Args:
-        query: ``[B, S_q, Hq, D]`` (global shape; any sharding, resharded as needed).
+        query: ``[B, S_q, Hq, D]`` (global shape). Inputs are resharded onto the
+            mesh as needed, but concrete arrays must all be on the same devices
+            (all on the mesh, or all on one device): mixed placements are a ValueError.
         key, value: ``[B, S_kv, Hkv, D]``.
         selected_token_ids: ``[B, S_q, K]`` int routes in global K/V coordinates.
         softmax_scale: finite positive scale, default ``1/sqrt(D)``.

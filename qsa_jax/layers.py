@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .attention import sparse_gqa_attention
+from .routes import prepare_routes
 from .indexer import document_starts, qsa_indexer_routes
 
 __all__ = ["QSAAttention", "qsa_attention", "apply_rope", "rms_norm"]
@@ -120,7 +121,8 @@ def qsa_attention(
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(seq), (bsz, seq))
         q, k = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
-    routes = jax.lax.stop_gradient(selected_token_ids)
+    # on the host, before JAX sees them: int64 IDs past int32 are padding, not wrapped
+    routes = prepare_routes(selected_token_ids)
     if attention_fn is None:
         out = sparse_gqa_attention(q, k, v, routes, softmax_scale, implementation=implementation)
     else:

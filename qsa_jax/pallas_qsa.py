@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .routes import prepare_routes, validate_inputs
+from .routes import on_gpu, prepare_routes, validate_inputs
 
 __all__ = ["BlockSizes", "pallas_sparse_gqa_attention", "tile_route_union"]
 
@@ -172,16 +172,19 @@ def _dot(a, b, *, trans_b=False, trans_a=False):
 
 
 def _chunk(union_ref, bits_ref, c, geo: _Geometry, rows_of: jax.Array):
-    """IDs of union chunk ``c`` (clamped for addressing) and the [M, BK] membership."""
+    """Union chunk ``c``: IDs clamped for addressing, which are real, and the [M, BK] membership."""
     span = pl.ds(c * geo.block_k, geo.block_k)
     ids = union_ref[span]
     bits = bits_ref[span]
     member = (jnp.right_shift(bits[None, :], rows_of[:, None]) & 1) == 1
-    return jnp.maximum(ids, 0), member
+    return jnp.maximum(ids, 0), ids >= 0, member
 
 
-def _gather(ref, ids, head_dim_pad):
-    return ref[ids[:, None], jnp.arange(head_dim_pad)[None, :]]
+def _gather(ref, ids, real, head_dim_pad):
+    """Rows ``ids`` of ``ref``; padding IDs (which address row 0) give zero rows,
+    so a non-finite row 0 cannot reach other rows through 0 * NaN."""
+    rows = ref[ids[:, None], jnp.arange(head_dim_pad)[None, :]]
+    return jnp.where(real[:, None], rows, jnp.zeros_like(rows))
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, o_ref, lse_ref, *,
@@ -193,9 +196,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, o_ref, 
 
     def body(c, carry):
         acc, m_prev, l_prev = carry
-        ids, member = _chunk(union_ref, bits_ref, c, geo, rows_of)
-        k = _gather(k_ref, ids, geo.head_dim_pad)
-        v = _gather(v_ref, ids, geo.head_dim_pad)
+        ids, real, member = _chunk(union_ref, bits_ref, c, geo, rows_of)
+        k = _gather(k_ref, ids, real, geo.head_dim_pad)
+        v = _gather(v_ref, ids, real, geo.head_dim_pad)
         s = jnp.where(member, _dot(q, k, trans_b=True) * scale, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing yet
@@ -232,9 +235,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, union_ref,
     n_chunks = pl.cdiv(count_ref[0], geo.block_k)
 
     def body(c, dq):
-        ids, member = _chunk(union_ref, bits_ref, c, geo, rows_of)
-        k = _gather(k_ref, ids, geo.head_dim_pad)
-        v = _gather(v_ref, ids, geo.head_dim_pad)
+        ids, real, member = _chunk(union_ref, bits_ref, c, geo, rows_of)
+        k = _gather(k_ref, ids, real, geo.head_dim_pad)
+        v = _gather(v_ref, ids, real, geo.head_dim_pad)
         s = _dot(q, k, trans_b=True) * scale
         p = jnp.where(member, jnp.exp(s - lse[:, None]), 0.0)
         dp = _dot(do, v, trans_b=True)
@@ -367,7 +370,9 @@ def pallas_sparse_gqa_attention(
     Shapes and semantics as :func:`qsa_jax.sparse_gqa_attention`: query
     ``[B,S_q,Hq,D]``, key/value ``[B,S_kv,Hkv,D]`` (bf16, f16 or f32; D <= 256),
     routes ``[B,S_q,K]``; output in query's dtype. ``interpret`` defaults to
-    True when the default JAX backend is not a GPU. dK/dV are accumulated with
+    True when the inputs do not live on GPUs. A non-finite K/V row that one row
+    of a query tile routes to reaches the other rows of that tile (0 * NaN in
+    the P @ V product); rows of other tiles are unaffected. dK/dV are accumulated with
     fp32 atomics: not bitwise deterministic.
 
     Raises:
@@ -385,7 +390,7 @@ def pallas_sparse_gqa_attention(
             f"the Pallas kernels need S_kv < 2**27, got {checked.dims.kv_length} (int32 sort keys)"
         )
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = not on_gpu(query)
     if block_sizes is None:
         block_sizes = BlockSizes.default(checked.dims.head_dim, interpret)
     return _run(query, key, value, routes, scale=checked.scale, block_sizes=block_sizes,

@@ -24,6 +24,7 @@ from qsa_common.contract import ProblemDims, check_shapes, resolve_scale
 __all__ = [
     "ProblemDims",
     "Validated",
+    "on_gpu",
     "prepare_routes",
     "validate_inputs",
     "normalize_routes",
@@ -83,6 +84,15 @@ def _devices(x: Any) -> frozenset | None:
         except Exception:  # deleted or otherwise unavailable arrays
             return None
     return None
+
+
+def on_gpu(x: Any) -> bool:
+    """Whether ``x`` lives on GPUs: its devices for a concrete ``jax.Array``, else
+    (tracers, host arrays) the default backend's."""
+    devices = _devices(x)
+    if devices is None:
+        return jax.default_backend() == "gpu"
+    return all(d.platform == "gpu" for d in devices)
 
 
 def validate_inputs(

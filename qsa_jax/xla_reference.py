@@ -14,6 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from qsa_common.contract import check_chunk_rows
+
 from .routes import normalize_routes, prepare_routes, validate_inputs
 
 __all__ = ["reference_sparse_gqa_attention"]
@@ -29,8 +31,10 @@ def _attend_chunk(query, key, value, routes, scale):
     valid = routes >= 0
     idx = jnp.maximum(routes, 0)
     gather = jax.vmap(lambda kv, i: kv[i])
-    k = gather(key, idx).astype(compute)  # [B,c,K,Hkv,D]
-    v = gather(value, idx).astype(compute)
+    # padding slots read row 0: zero them so a non-finite row 0 cannot leak in (0 * NaN)
+    keep = valid[..., None, None]
+    k = jnp.where(keep, gather(key, idx).astype(compute), 0)  # [B,c,K,Hkv,D]
+    v = jnp.where(keep, gather(value, idx).astype(compute), 0)
     q = query.astype(compute).reshape(bsz, rows, hkv, hq // hkv, d)
     scores = jnp.einsum("bchgd,bckhd->bchgk", q, k) * scale
     mask = valid[:, :, None, None, :]
@@ -100,4 +104,5 @@ def reference_sparse_gqa_attention(
     if chunk_rows is None:
         per_row = dims.batch * dims.routes_per_query * dims.kv_heads * dims.head_dim
         chunk_rows = max(1, _CHUNK_ELEMENTS // per_row)
-    return _reference(query, key, value, routes, scale=checked.scale, chunk_rows=int(chunk_rows))
+    chunk_rows = check_chunk_rows(chunk_rows)
+    return _reference(query, key, value, routes, scale=checked.scale, chunk_rows=chunk_rows)

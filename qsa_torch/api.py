@@ -204,7 +204,7 @@ def _run(
 
     An explicit backend runs as is. ``"auto"`` walks :func:`candidate_backends`:
     statically unsupported backends are skipped, and a backend raising
-    ImportError / NotImplementedError is logged and skipped.
+    ImportError / NotImplementedError / torch.OutOfMemoryError is logged and skipped.
     """
     if backend != "auto":
         return body(_load(backend))
@@ -218,7 +218,7 @@ def _run(
             continue
         try:
             result = body(_load(name))
-        except (ImportError, NotImplementedError) as err:
+        except (ImportError, NotImplementedError, torch.OutOfMemoryError) as err:
             if isinstance(err, ImportError):  # a missing runtime stays missing: do not retry
                 _BROKEN[name] = f"its runtime failed to import: {err}"
             _log(f"sparse_gqa_attention: backend {name!r} failed ({type(err).__name__}: {err}); "

@@ -318,6 +318,11 @@ def cudnn_sparse_gqa_attention(
 
     indices = _pack_indices(selected_token_ids, dims.kv_length)
     tokens = dims.batch * dims.query_length
+    # Rows without routes: masked_fill (not a multiply) on the way in and out, so
+    # their output and dq are exact zeros whatever the kernel computes for them.
+    routes = selected_token_ids
+    empty = ~((routes >= 0) & (routes < dims.kv_length)).any(dim=-1)[:, :, None, None]
+    query = query.masked_fill(empty, 0)
     q = query.reshape(tokens, dims.query_heads, _HEAD_DIM)
     k = key.reshape(tokens, dims.kv_heads, _HEAD_DIM)
     v = value.reshape(tokens, dims.kv_heads, _HEAD_DIM)
@@ -331,4 +336,5 @@ def cudnn_sparse_gqa_attention(
             )
         )
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-    return out.reshape(dims.batch, dims.query_length, dims.query_heads, _HEAD_DIM)
+    out = out.reshape(dims.batch, dims.query_length, dims.query_heads, _HEAD_DIM)
+    return out.masked_fill(empty, 0)

@@ -22,12 +22,11 @@ CUDA call, never when this module is imported.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import torch.nn.functional as F
 
-from .routes import membership_table, validate_inputs
+from .routes import check_deterministic_backward, membership_table, validate_inputs
 
 __all__ = ["fa4_sparse_gqa_attention"]
 
@@ -335,15 +334,7 @@ def fa4_sparse_gqa_attention(
         raise ValueError(
             f"query/key/value head dim must be {HEAD_DIM} for the FA4 backend, got {dims.head_dim}"
         )
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if needs_grad and torch.are_deterministic_algorithms_enabled():
-        message = (
-            "the FA4 backend has no deterministic backward "
-            "(torch.use_deterministic_algorithms is on)"
-        )
-        if not torch.is_deterministic_algorithms_warn_only_enabled():
-            raise RuntimeError(message)
-        warnings.warn(message, stacklevel=2)
+    check_deterministic_backward("FA4", query, key, value)
     _check_device(query.device)
     fa4 = _load_fa4()
     preprocess = _compiled_preprocess()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from qsa_common.contract import check_chunk_rows
+
 from .routes import normalize_routes, validate_inputs
 
 __all__ = ["reference_sparse_gqa_attention"]
@@ -31,8 +33,10 @@ def _attend_chunk(
     valid = routes >= 0
     idx = routes.clamp_min(0).long()
     batch_idx = torch.arange(bsz, device=query.device)[:, None, None]
-    k = key[batch_idx, idx].to(compute)  # [B,c,K,Hkv,D]
-    v = value[batch_idx, idx].to(compute)
+    # padding slots read row 0: zero them so a non-finite row 0 cannot leak in (0 * NaN)
+    pad = ~valid[..., None, None]
+    k = key[batch_idx, idx].to(compute).masked_fill(pad, 0)  # [B,c,K,Hkv,D]
+    v = value[batch_idx, idx].to(compute).masked_fill(pad, 0)
     q = query.to(compute).reshape(bsz, rows, hkv, hq // hkv, d)
     scores = torch.einsum("bchgd,bckhd->bchgk", q, k) * scale
     mask = valid[:, :, None, None, :]
@@ -76,6 +80,7 @@ def reference_sparse_gqa_attention(
     if chunk_rows is None:
         per_row = dims.batch * dims.routes_per_query * dims.kv_heads * dims.head_dim
         chunk_rows = max(1, _CHUNK_ELEMENTS // per_row)
+    chunk_rows = check_chunk_rows(chunk_rows)
     # Gather from fp32 copies: the gather's backward then sums the ~K
     # contributions per key row in fp32 (summing them in bf16 loses ~3e-2).
     compute = torch.promote_types(query.dtype, torch.float32)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ from qsa_common.contract import ProblemDims, check_shapes, resolve_scale
 __all__ = [
     "ProblemDims",
     "Validated",
+    "check_deterministic_backward",
     "validate_inputs",
     "validate_routes",
     "normalize_routes",
@@ -90,6 +92,26 @@ def validate_inputs(
         if t.device != query.device:
             raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
     return Validated(dims, resolve_scale(softmax_scale, dims.head_dim))
+
+
+def check_deterministic_backward(backend: str, *tensors: torch.Tensor) -> None:
+    """Refuse a backward that ``torch.use_deterministic_algorithms`` forbids.
+
+    For backends whose backward accumulates with atomics: when deterministic
+    algorithms are on and autograd will need gradients of ``tensors``, raise
+    RuntimeError (in warn-only mode, warn instead).
+    """
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return
+    message = (
+        f"the {backend} backend has no deterministic backward (fp32 atomics), but "
+        "torch.use_deterministic_algorithms is on"
+    )
+    if not torch.is_deterministic_algorithms_warn_only_enabled():
+        raise RuntimeError(message)
+    warnings.warn(message, stacklevel=3)
 
 
 def normalize_routes(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .routes import normalize_routes, validate_inputs
+from .routes import check_deterministic_backward, normalize_routes, validate_inputs
 
 __all__ = [
     "BlockSizes",
@@ -329,6 +329,8 @@ def triton_sparse_gqa_attention(
         TypeError / ValueError: the contract's input checks; ValueError also for D >
             256 and for CPU tensors unless Triton's interpreter is on.
         ImportError: triton is not installed.
+        RuntimeError: gradients are needed while ``torch.use_deterministic_algorithms``
+            is on (a warning instead in warn-only mode).
     """
     checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale, dtypes=_DTYPES)
     dims = checked.dims
@@ -336,6 +338,7 @@ def triton_sparse_gqa_attention(
         raise ValueError(f"query head dim must be <= {_MAX_HEAD_DIM} for triton_qsa, got {dims.head_dim}")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
+    check_deterministic_backward("triton_qsa", query, key, value)
     _, interpreted = _load_kernels()
     if query.device.type != "cuda" and not interpreted:
         raise ValueError(

@@ -125,3 +125,28 @@ class BackendContract:
                                seq_len=self.seq_len, top_k=self.top_k)
         self.check(problem.routes.astype(np.int32), problem.kv_length, heads, dtype, rng,
                    scale=0.77, label="int32 routes, scale 0.77")
+
+
+class UnroutedRowsIsolated:
+    """Mixin for gather-based backends (references, token-gather kernels): K/V rows that
+    no route names never enter the arithmetic. Tile-based backends (flex, FA4, cuDNN)
+    multiply masked probabilities by whole V tiles, so 0 * NaN reaches them: they do not
+    take this mixin."""
+
+    def test_unrouted_non_finite_rows_do_not_leak(self, rng):
+        """K/V rows that no route names may hold NaN/inf: no output or gradient may see them
+        (padding IDs must not read a real row into the arithmetic)."""
+        heads, dtype = self.heads[0], self.dtypes[0]
+        problem = make_problem("packed", self.families[0], seed=int(rng.integers(2**31)),
+                               seq_len=self.seq_len, top_k=self.top_k)
+        routes = problem.routes.copy()
+        routes[(routes == 0)] = -1  # nobody routes to K/V row 0
+        q, k, v, do = random_inputs(rng, routes, problem.kv_length, heads, self.head_dim, dtype)
+        k[:, 0], v[:, 0] = np.inf, np.nan
+        got = self.run(q, k, v, routes, 0.5, do, dtype)
+        k[:, 0], v[:, 0] = 0.0, 0.0
+        want = oracle_forward_backward(q, k, v, routes, 0.5, do)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            if name in ("dk", "dv"):  # the poisoned row's own gradient is not defined
+                g, w = g[:, 1:], w[:, 1:]
+            assert relative_error(g, w) < TOLERANCE[dtype], f"{name} saw the unrouted NaN/inf row"

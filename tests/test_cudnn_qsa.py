@@ -488,3 +488,40 @@ def test_other_gpu_raises_runtime_error(heads):
     with pytest.raises(RuntimeError, match="SM100/SM103") as info:
         cudnn_sparse_gqa_attention(q, k, v, routes)
     assert torch.cuda.get_device_name(0) in str(info.value)
+
+
+class _NanOnEmptyRows(StandInOps):
+    """A kernel that leaves NaN in the output and dq of rows without routes."""
+
+    @staticmethod
+    def _empty(indices):
+        return (indices.view(indices.shape[0], -1, 4)[..., 0] < 0).all(-1)
+
+    def qsa_indexed_forward(self, q, k, v, indices, scale):
+        out, out_fp32, lse = super().qsa_indexed_forward(q, k, v, indices, scale)
+        return out.masked_fill(self._empty(indices)[:, None, None], float("nan")), out_fp32, lse
+
+    def qsa_indexed_backward(self, grad_out, q, k, v, out_fp32, lse, indices, scale, selection_mode):
+        dq, dk, dv = super().qsa_indexed_backward(grad_out, q, k, v, out_fp32, lse, indices, scale,
+                                                  selection_mode)
+        return dq.masked_fill(self._empty(indices)[:, None, None], float("nan")), dk, dv
+
+
+def test_empty_rows_are_zero_whatever_the_kernel_leaves(monkeypatch):
+    stand_in = _NanOnEmptyRows()
+    package, ops = types.ModuleType("cudnn"), types.ModuleType("cudnn.ops")
+    ops.qsa_indexed_forward = stand_in.qsa_indexed_forward
+    ops.qsa_indexed_backward = stand_in.qsa_indexed_backward
+    package.ops = ops
+    monkeypatch.setitem(sys.modules, "cudnn", package)
+    monkeypatch.setitem(sys.modules, "cudnn.ops", ops)
+    monkeypatch.setattr(cudnn_qsa, "_check_gpu", lambda device: None)
+    rng = np.random.default_rng()
+    routes = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=16, top_k=2).routes
+    routes[0, ::4] = -1
+    q = torch.randn(1, 16, 12, 256, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 16, 1, 256, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    out = cudnn_sparse_gqa_attention(q, k, v, torch.from_numpy(routes))
+    out.backward(torch.randn_like(out))
+    assert torch.all(out[0, ::4] == 0) and torch.isfinite(out).all()
+    assert torch.all(q.grad[0, ::4] == 0) and torch.isfinite(q.grad).all()

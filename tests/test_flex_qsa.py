@@ -147,6 +147,7 @@ def _tile_test_routes(rng, bsz, s_q, s_kv, width):
     routes[0, :T, :T] = np.arange(T, 2 * T)
     routes[-1, :T, :T] = np.arange(T, 2 * T)
     routes[-1, 5, 7] = -1
+    routes[-1, 5][routes[-1, 5] == T + 7] = -1  # no random slot may restore that cell
     # the ragged corner tile entirely covered where it exists: still only partial
     last_q, last_kv = (s_q // T) * T, (s_kv // T) * T
     if last_q < s_q and last_kv < s_kv:

@@ -174,6 +174,29 @@ def test_functional_form_with_own_routes_under_jit():
     assert relative_error(out, want) < 1e-5
 
 
+def test_functional_form_keeps_huge_int64_routes_as_padding():
+    """numpy int64 IDs past int32 are padding: JAX must not wrap 2**32 + 3 into ID 3."""
+    import jax.numpy as jnp
+
+    from qsa_jax.layers import qsa_attention
+
+    rng = np.random.default_rng()
+    seq = 12
+    problem = padded_batch([seq], seq, lambda n: random_routes(n, width=5, rng=rng))
+    params = {
+        "q": rng.standard_normal((M, HQ * D)) / 4, "k": rng.standard_normal((M, HKV * D)) / 4,
+        "v": rng.standard_normal((M, HKV * D)) / 4, "o": rng.standard_normal((HQ * D, M)) / 4,
+    }
+    params = {n: jnp.asarray(w, jnp.float32) for n, w in params.items()}
+    x = rng.standard_normal((1, seq, M)).astype(np.float32)
+    huge = problem.routes.copy()
+    huge[..., -1] = 2**32 + 3  # would wrap to the valid ID 3
+    out = np.asarray(qsa_attention(jnp.asarray(x), params, huge, num_heads=HQ, num_kv_heads=HKV,
+                                   implementation="xla"))
+    want = numpy_forward(x, params, problem.routes[..., :-1], None, None, scale=D**-0.5)
+    assert relative_error(out, want) < 1e-5
+
+
 def test_implementation_is_passed_through_and_bad_params_are_named():
     import jax.numpy as jnp
 

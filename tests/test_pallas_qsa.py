@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from contract_base import BackendContract, random_inputs
+from contract_base import BackendContract, UnroutedRowsIsolated, random_inputs
 from runners import run_jax
 from qsa_common.generators import adversarial_routes
 from qsa_common.layouts import make_problem
@@ -18,7 +18,7 @@ def pallas(*args, **kw):
     return sparse_gqa_attention(*args, implementation="pallas", interpret=True, **kw)
 
 
-class TestPallasInterpret(BackendContract):
+class TestPallasInterpret(UnroutedRowsIsolated, BackendContract):
     heads = ((4, 2), (3, 1))  # G = 2 and 3 (padded to 4)
     seq_len = 24
 

@@ -82,15 +82,30 @@ def _load_crashing():
     return crash
 
 
+def _load_refusing():
+    def refuse(q, k, v, routes, scale):
+        raise NotImplementedError("refused a case its static checks accept")
+
+    return refuse
+
+
+def _load_scale_ignoring():
+    from qsa_torch import reference_sparse_gqa_attention
+
+    return lambda q, k, v, routes, scale: reference_sparse_gqa_attention(q, k, v, routes)
+
+
 def test_a_perturbed_backend_is_reported_failing(tmp_path, monkeypatch):
     """Drop one route per row in one backend: its cells fail, the exit status is 1,
     and the honest backend still passes; NaN outputs and crashes fail too, while a
     backend that cannot be imported is only 'unavailable'."""
     for name, loader in (("dropped-route", _load_dropped_route), ("nan-output", _load_nan_backend),
-                         ("crashing", _load_crashing), ("not-installed", _load_missing_module)):
+                         ("crashing", _load_crashing), ("not-installed", _load_missing_module),
+                         ("refusing", _load_refusing), ("scale-ignoring", _load_scale_ignoring)):
         monkeypatch.setitem(parity_backends.BACKENDS, name, Backend(name, "torch", loader))
     argv = ["--quick", "--layouts", "packed,cp", "--families", "qsa,adversarial",
-            "--backends", "torch-reference,dropped-route,nan-output,crashing,not-installed",
+            "--backends", "torch-reference,dropped-route,nan-output,crashing,not-installed,"
+                          "refusing,scale-ignoring",
             "--out", str(tmp_path), "--no-progress"]
     assert main(argv) == 1
     report = _report(tmp_path)
@@ -109,6 +124,8 @@ def test_a_perturbed_backend_is_reported_failing(tmp_path, monkeypatch):
                if c["backend"] == "nan-output" and c["quantity"] == "out")
     assert statuses("crashing") == {"error"}
     assert all("kernel exploded" in c["reason"] for c in cells if c["backend"] == "crashing")
+    assert statuses("refusing") == {"error"}
+    assert statuses("scale-ignoring", "out") == {"fail"}
     assert statuses("not-installed") == {"unavailable"}
     assert "ModuleNotFoundError" in report["backends"]["not-installed"]["reason"]
     cross = {(x["first"], x["second"], x["status"]) for x in report["cross"]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from contract_base import BackendContract, random_inputs
+from contract_base import BackendContract, UnroutedRowsIsolated, random_inputs
 from runners import run_jax, run_torch
 from qsa_common.layouts import make_problem
 from qsa_common.oracle import oracle_forward_backward, relative_error
 
 
-class TestTorchReference(BackendContract):
+class TestTorchReference(UnroutedRowsIsolated, BackendContract):
     dtypes = ("float32", "bfloat16")
 
     def run(self, q, k, v, routes, scale, grad_out, dtype):
@@ -21,7 +21,7 @@ class TestTorchReference(BackendContract):
         return run_torch(fn, q, k, v, routes, scale, grad_out, dtype)
 
 
-class TestJaxReference(BackendContract):
+class TestJaxReference(UnroutedRowsIsolated, BackendContract):
     dtypes = ("float32", "bfloat16")
 
     def run(self, q, k, v, routes, scale, grad_out, dtype):

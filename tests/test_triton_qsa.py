@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from contract_base import TOLERANCE, BackendContract, random_inputs  # noqa: E402
+from contract_base import TOLERANCE, BackendContract, UnroutedRowsIsolated, random_inputs  # noqa: E402
 from runners import run_torch  # noqa: E402
 from qsa_common.generators import adversarial_routes, random_routes  # noqa: E402
 from qsa_common.layouts import make_problem  # noqa: E402
@@ -73,7 +73,7 @@ def test_kernels_run_here():
     assert interpreted or DEVICE == "cuda", "kernels were compiled, not interpreted, on a CPU machine"
 
 
-class TestTritonContract(BackendContract):
+class TestTritonContract(UnroutedRowsIsolated, BackendContract):
     dtypes = ("float32", "bfloat16")
     heads = ((4, 2), (6, 2))  # group 2 and a group of 3 padded to 4
 
@@ -299,3 +299,23 @@ def test_missing_triton_raises_import_error(monkeypatch):
             triton_sparse_gqa_attention(*_small_tensors())
     finally:
         triton_qsa._load_kernels.cache_clear()
+
+
+def test_deterministic_backward_is_refused():
+    """Atomic dK/dV: with torch.use_deterministic_algorithms a backward is refused up front."""
+    previous = (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled())
+    q = torch.randn(1, 8, 2, 16, requires_grad=True)
+    k, v = torch.randn(1, 8, 1, 16), torch.randn(1, 8, 1, 16)
+    routes = torch.randint(-1, 8, (1, 8, 4))
+    try:
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match="deterministic"):
+            triton_sparse_gqa_attention(q, k, v, routes)
+        with torch.no_grad():  # no backward wanted: runs
+            assert triton_sparse_gqa_attention(q, k, v, routes).shape == q.shape
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="deterministic"):
+            triton_sparse_gqa_attention(q, k, v, routes)
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])

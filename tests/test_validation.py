@@ -119,3 +119,18 @@ def test_huge_int64_routes_are_padding_in_both_frameworks():
     np.testing.assert_allclose(j, want, rtol=1e-6)
     np.testing.assert_allclose(t, want, rtol=1e-6)
     assert jnp.asarray(j).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("chunk_rows,exc", [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_reference_chunk_rows_is_checked(chunk_rows, exc):
+    import torch
+
+    from qsa_jax import reference
+    from qsa_torch import reference_sparse_gqa_attention
+
+    args = good()
+    with pytest.raises(exc, match="chunk_rows"):
+        reference(**args, chunk_rows=chunk_rows)
+    with pytest.raises(exc, match="chunk_rows"):
+        reference_sparse_gqa_attention(**{k: torch.from_numpy(v) for k, v in args.items()},
+                                       chunk_rows=chunk_rows)
