@@ -54,7 +54,7 @@ class _GatherSequence(torch.autograd.Function):
             dist.reduce_scatter_tensor(local, parts, op=dist.ReduceOp.SUM, group=group)
         else:
             dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=group)
-            local = parts[dist.get_rank(group)]
+            local = parts[dist.get_rank(group)].clone()  # do not pin the world-sized buffer
         return local, None, None
 
 

@@ -148,6 +148,12 @@ def membership_table(
     Memory: ``B * S_q * kv_length`` elements of ``dtype`` (one byte for bool/uint8).
     """
     validate_routes(selected_token_ids)
+    if selected_token_ids.dim() != 3:
+        raise ValueError(
+            f"selected_token_ids must have rank 3 [B, S_q, K], got shape {tuple(selected_token_ids.shape)}"
+        )
+    if kv_length < 1:
+        raise ValueError(f"kv_length must be positive, got {kv_length}")
     b, s_q, _ = selected_token_ids.shape
     routes = selected_token_ids
     valid = (routes >= 0) & (routes < kv_length)

@@ -134,3 +134,16 @@ def test_reference_chunk_rows_is_checked(chunk_rows, exc):
     with pytest.raises(exc, match="chunk_rows"):
         reference_sparse_gqa_attention(**{k: torch.from_numpy(v) for k, v in args.items()},
                                        chunk_rows=chunk_rows)
+
+
+def test_membership_table_checks_its_arguments():
+    import torch
+
+    from qsa_torch.routes import membership_table
+
+    with pytest.raises(ValueError, match="selected_token_ids"):
+        membership_table(torch.zeros(4, 3, dtype=torch.int64), 8)
+    with pytest.raises(ValueError, match="kv_length"):
+        membership_table(torch.zeros(1, 4, 3, dtype=torch.int64), 0)
+    with pytest.raises(TypeError, match="selected_token_ids"):
+        membership_table(torch.zeros(1, 4, 3), 8)
