@@ -323,8 +323,8 @@ class StandInOps:
         return dq.to(bf16), dk[:, None].to(bf16), dv[:, None].to(bf16)
 
 
-def _install_stand_in(monkeypatch) -> StandInOps:
-    stand_in = StandInOps()
+def _install_stand_in(monkeypatch, stand_in: StandInOps | None = None) -> StandInOps:
+    stand_in = StandInOps() if stand_in is None else stand_in
     package, ops = types.ModuleType("cudnn"), types.ModuleType("cudnn.ops")
     ops.qsa_indexed_forward = stand_in.qsa_indexed_forward
     ops.qsa_indexed_backward = stand_in.qsa_indexed_backward
@@ -508,14 +508,7 @@ class _NanOnEmptyRows(StandInOps):
 
 
 def test_empty_rows_are_zero_whatever_the_kernel_leaves(monkeypatch):
-    stand_in = _NanOnEmptyRows()
-    package, ops = types.ModuleType("cudnn"), types.ModuleType("cudnn.ops")
-    ops.qsa_indexed_forward = stand_in.qsa_indexed_forward
-    ops.qsa_indexed_backward = stand_in.qsa_indexed_backward
-    package.ops = ops
-    monkeypatch.setitem(sys.modules, "cudnn", package)
-    monkeypatch.setitem(sys.modules, "cudnn.ops", ops)
-    monkeypatch.setattr(cudnn_qsa, "_check_gpu", lambda device: None)
+    _install_stand_in(monkeypatch, _NanOnEmptyRows())
     rng = np.random.default_rng()
     routes = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=16, top_k=2).routes
     routes[0, ::4] = -1
