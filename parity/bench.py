@@ -302,24 +302,15 @@ def _torch_shape(backend, fn, shape: Shape, routes_np, head_dim, dtype, timer, d
         fn(*leaves, routes, scale).backward(do)
 
     timer.reset_peak()
-    try:
-        both = _measure(timer, step, before=clear, deadline=deadline)
-    except NotImplementedError as err:
-        result.update(fwdbwd_reason=f"no backward: {err}")
-        return result
-    except Exception as err:  # noqa: BLE001: keep the forward figures when only the backward OOMs
-        if not _is_oom(err):
-            raise
-        result.update(fwdbwd_reason=f"forward+backward out of memory: {str(err)[:200]}")
-        return result
-    result.update(fwdbwd_ms=both["median_ms"], fwdbwd_reps=both["reps"],
-                  fwdbwd_first_call_ms=both["first_call_ms"], fwdbwd_peak_bytes=timer.peak())
-    return result
+    return _add_fwdbwd(result, timer, lambda: _measure(timer, step, before=clear, deadline=deadline),
+                       may_lack_backward=True)
 
 
 def _jax_shape(backend, fn, shape: Shape, routes_np, head_dim, dtype, timer, deadline):
     import jax
     import jax.numpy as jnp
+
+    from qsa_jax.routes import prepare_routes
 
     from .runners import _jitted
 
@@ -331,8 +322,6 @@ def _jax_shape(backend, fn, shape: Shape, routes_np, head_dim, dtype, timer, dea
     k = jax.random.normal(keys[1], (1, s, hkv, head_dim), jdtype)
     v = jax.random.normal(keys[2], (1, s, hkv, head_dim), jdtype)
     do = jax.random.normal(keys[3], (1, s, hq, head_dim), jdtype)
-    from qsa_jax.routes import prepare_routes
-
     routes = jnp.asarray(prepare_routes(routes_np))  # int64 past int32 stays padding
     scale = head_dim ** -0.5
     forward = _jitted(fn, scale, False)
@@ -340,8 +329,21 @@ def _jax_shape(backend, fn, shape: Shape, routes_np, head_dim, dtype, timer, dea
     result = dict(fwd_ms=fwd["median_ms"], fwd_reps=fwd["reps"], fwd_first_call_ms=fwd["first_call_ms"],
                   fwd_peak_bytes=timer.peak())
     both_fn = _jitted(fn, scale, True)
+    return _add_fwdbwd(result, timer,
+                       lambda: _measure(timer, lambda: both_fn(q, k, v, routes, do), deadline=deadline))
+
+
+def _add_fwdbwd(result: dict, timer, measure_both, may_lack_backward: bool = False) -> dict:
+    """Add the forward+backward figures of ``measure_both()`` to ``result``; a backend
+    whose backward runs out of memory (or, with ``may_lack_backward``, raises
+    NotImplementedError) keeps its forward figures with the reason."""
     try:
-        both = _measure(timer, lambda: both_fn(q, k, v, routes, do), deadline=deadline)
+        both = measure_both()
+    except NotImplementedError as err:
+        if not may_lack_backward:
+            raise
+        result.update(fwdbwd_reason=f"no backward: {err}")
+        return result
     except Exception as err:  # noqa: BLE001: keep the forward figures when only the backward OOMs
         if not _is_oom(err):
             raise

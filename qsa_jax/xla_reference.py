@@ -24,18 +24,18 @@ _CHUNK_ELEMENTS = 1 << 25
 
 
 def _attend_chunk(query, key, value, routes, scale):
-    """query [B,c,Hq,D], key/value [B,S_kv,Hkv,D], canonical routes [B,c,K] -> [B,c,Hq,D]."""
+    """query [B,c,Hq,D], key/value [B,S_kv,Hkv,D] (all in the compute dtype), canonical
+    routes [B,c,K] -> [B,c,Hq,D]."""
     bsz, rows, hq, d = query.shape
     hkv = key.shape[2]
-    compute = jnp.promote_types(query.dtype, jnp.float32)
     valid = routes >= 0
     idx = jnp.maximum(routes, 0)
     gather = jax.vmap(lambda kv, i: kv[i])
     # padding slots read row 0: zero them so a non-finite row 0 cannot leak in (0 * NaN)
     keep = valid[..., None, None]
-    k = jnp.where(keep, gather(key, idx).astype(compute), 0)  # [B,c,K,Hkv,D]
-    v = jnp.where(keep, gather(value, idx).astype(compute), 0)
-    q = query.astype(compute).reshape(bsz, rows, hkv, hq // hkv, d)
+    k = jnp.where(keep, gather(key, idx), 0)  # [B,c,K,Hkv,D]
+    v = jnp.where(keep, gather(value, idx), 0)
+    q = query.reshape(bsz, rows, hkv, hq // hkv, d)
     scores = jnp.einsum("bchgd,bckhd->bchgk", q, k) * scale
     mask = valid[:, :, None, None, :]
     row_max = jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1, keepdims=True)
@@ -44,7 +44,7 @@ def _attend_chunk(query, key, value, routes, scale):
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bchgk,bckhd->bchgd", probs, v)
-    return out.reshape(bsz, rows, hq, d).astype(query.dtype)
+    return out.reshape(bsz, rows, hq, d)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_rows"))

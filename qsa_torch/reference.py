@@ -26,18 +26,18 @@ _CHUNK_ELEMENTS = 1 << 26
 def _attend_chunk(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, routes: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """query [B,c,Hq,D], key/value [B,S_kv,Hkv,D], canonical routes [B,c,K] -> [B,c,Hq,D]."""
+    """query [B,c,Hq,D], key/value [B,S_kv,Hkv,D] (all in the compute dtype), canonical
+    routes [B,c,K] -> [B,c,Hq,D]."""
     bsz, rows, hq, d = query.shape
     hkv = key.shape[2]
-    compute = torch.promote_types(query.dtype, torch.float32)
     valid = routes >= 0
     idx = routes.clamp_min(0).long()
     batch_idx = torch.arange(bsz, device=query.device)[:, None, None]
     # padding slots read row 0: zero them so a non-finite row 0 cannot leak in (0 * NaN)
     pad = ~valid[..., None, None]
-    k = key[batch_idx, idx].to(compute).masked_fill(pad, 0)  # [B,c,K,Hkv,D]
-    v = value[batch_idx, idx].to(compute).masked_fill(pad, 0)
-    q = query.to(compute).reshape(bsz, rows, hkv, hq // hkv, d)
+    k = key[batch_idx, idx].masked_fill(pad, 0)  # [B,c,K,Hkv,D]
+    v = value[batch_idx, idx].masked_fill(pad, 0)
+    q = query.reshape(bsz, rows, hkv, hq // hkv, d)
     scores = torch.einsum("bchgd,bckhd->bchgk", q, k) * scale
     mask = valid[:, :, None, None, :]
     row_max = scores.masked_fill(~mask, float("-inf")).amax(-1, keepdim=True)
@@ -46,7 +46,7 @@ def _attend_chunk(
     denom = weights.sum(-1, keepdim=True)
     probs = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
     out = torch.einsum("bchgk,bckhd->bchgd", probs, v)
-    return out.reshape(bsz, rows, hq, d).to(query.dtype)
+    return out.reshape(bsz, rows, hq, d)
 
 
 def reference_sparse_gqa_attention(
