@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ._pallas_atomics import relaxed_addupdate
 from .routes import on_gpu, prepare_routes, validate_inputs
 
 __all__ = ["BlockSizes", "pallas_sparse_gqa_attention", "tile_route_union"]
@@ -44,7 +45,7 @@ class BlockSizes:
     block_m: int = 128
     block_k: int = 64
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
     block_m_bwd: int = 64
     block_k_bwd: int = 32
     num_warps_bwd: int = 8
@@ -244,9 +245,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, union_ref,
         ds = p * (dp - delta[:, None])
         dq = dq + _dot(ds.astype(k.dtype), k)
         # padding IDs point at row 0 with all-zero contributions
-        jax.ref.addupdate(dv_ref, (ids[:, None], cols), _dot(p.astype(do.dtype), do, trans_a=True))
-        jax.ref.addupdate(dk_ref, (ids[:, None], cols),
-                          scale * _dot(ds.astype(q.dtype), q, trans_a=True))
+        relaxed_addupdate(dv_ref, (ids[:, None], cols), _dot(p.astype(do.dtype), do, trans_a=True))
+        relaxed_addupdate(dk_ref, (ids[:, None], cols), scale * _dot(ds.astype(q.dtype), q, trans_a=True))
         return dq
 
     dq = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((m_rows, geo.head_dim_pad), jnp.float32))
@@ -263,16 +263,15 @@ def _specs(geo: _Geometry, kv_length: int, union_width: int):
     return q_spec, row_spec, kv_spec, union_spec, count_spec
 
 
-def _forward(q, k, v, routes, scale, bs: BlockSizes, interpret: bool):
-    bsz, s_q, hq, d = q.shape
+def _forward_call(q, k, v, union, bits, count, geo: _Geometry, scale, bs: BlockSizes, interpret):
+    """The forward kernel over precomputed tile unions: ``(o_arr, lse)`` in the tile arrangement."""
+    bsz, _, hq, _ = q.shape
     kv_length, hkv = k.shape[1], k.shape[2]
-    geo = _Geometry.make(hq // hkv, d, bs.block_m, bs.block_k)
-    union, bits, count = tile_route_union(routes, geo.rows, geo.block_k)
     n_tiles = union.shape[1]
     q_arr = _arrange_queries(q, geo, hkv)
     k_pad, v_pad = _pad_head_dim(k, geo.head_dim_pad), _pad_head_dim(v, geo.head_dim_pad)
     q_spec, row_spec, kv_spec, union_spec, count_spec = _specs(geo, kv_length, union.shape[2])
-    o_arr, lse = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_forward_kernel, scale=scale, geo=geo),
         grid=(n_tiles, bsz, hkv),
         in_specs=[q_spec, kv_spec, kv_spec, union_spec, union_spec, count_spec],
@@ -285,27 +284,30 @@ def _forward(q, k, v, routes, scale, bs: BlockSizes, interpret: bool):
         interpret=interpret,
         name="qsa_forward",
     )(q_arr, k_pad, v_pad, union, bits, count)
+
+
+def _forward(q, k, v, routes, scale, bs: BlockSizes, interpret):
+    s_q, d = q.shape[1], q.shape[3]
+    geo = _Geometry.make(q.shape[2] // k.shape[2], d, bs.block_m, bs.block_k)
+    union, bits, count = tile_route_union(routes, geo.rows, geo.block_k)
+    o_arr, lse = _forward_call(q, k, v, union, bits, count, geo, scale, bs, interpret)
     return _restore_queries(o_arr, geo, s_q, d), (o_arr, lse, geo)
 
 
-def _backward(q, k, v, routes, o_arr_fwd, lse_fwd, geo_fwd, do, scale, bs: BlockSizes, interpret):
-    bsz, s_q, hq, d = q.shape
+def _backward_call(q, k, v, do, lse, delta, union, bits, count, geo: _Geometry, scale,
+                   bs: BlockSizes, interpret):
+    """The backward kernel over precomputed tile unions; ``lse``/``delta`` are
+    ``[B, Hkv, n_tiles * block_m]`` in the backward tile arrangement. Returns
+    ``dq_arr`` (tile arrangement) and fp32 ``dk, dv [B, S_kv, Hkv, D_pad]``."""
+    bsz = q.shape[0]
     kv_length, hkv = k.shape[1], k.shape[2]
-    geo = _Geometry.make(hq // hkv, d, bs.block_m_bwd, bs.block_k_bwd)
-    # LSE and delta in the backward tile arrangement
-    o = _restore_queries(o_arr_fwd, geo_fwd, s_q, d)
-    lse_rows = _restore_queries(lse_fwd[..., None], dataclasses.replace(geo_fwd, head_dim_pad=1), s_q, 1)
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
-    as_rows = lambda x: _arrange_queries(x, dataclasses.replace(geo, head_dim_pad=1), hkv)[..., 0]  # noqa: E731
-    lse, delta = as_rows(lse_rows), as_rows(delta)
-    union, bits, count = tile_route_union(routes, geo.rows, geo.block_k)
     n_tiles = union.shape[1]
     q_arr, do_arr = _arrange_queries(q, geo, hkv), _arrange_queries(do, geo, hkv)
     k_pad, v_pad = _pad_head_dim(k, geo.head_dim_pad), _pad_head_dim(v, geo.head_dim_pad)
     acc_shape = (bsz, kv_length, hkv, geo.head_dim_pad)
     zeros = jnp.zeros(acc_shape, jnp.float32)
     q_spec, row_spec, kv_spec, union_spec, count_spec = _specs(geo, kv_length, union.shape[2])
-    dq_arr, dk, dv = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_backward_kernel, scale=scale, geo=geo),
         grid=(n_tiles, bsz, hkv),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, union_spec, union_spec,
@@ -321,6 +323,21 @@ def _backward(q, k, v, routes, o_arr_fwd, lse_fwd, geo_fwd, do, scale, bs: Block
         interpret=interpret,
         name="qsa_backward",
     )(q_arr, k_pad, v_pad, do_arr, lse, delta, union, bits, count, zeros, zeros)
+
+
+def _backward(q, k, v, routes, o_arr_fwd, lse_fwd, geo_fwd, do, scale, bs: BlockSizes, interpret):
+    s_q, hq, d = q.shape[1:]
+    hkv = k.shape[2]
+    geo = _Geometry.make(hq // hkv, d, bs.block_m_bwd, bs.block_k_bwd)
+    # LSE and delta in the backward tile arrangement
+    o = _restore_queries(o_arr_fwd, geo_fwd, s_q, d)
+    lse_rows = _restore_queries(lse_fwd[..., None], dataclasses.replace(geo_fwd, head_dim_pad=1), s_q, 1)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+    as_rows = lambda x: _arrange_queries(x, dataclasses.replace(geo, head_dim_pad=1), hkv)[..., 0]  # noqa: E731
+    lse, delta = as_rows(lse_rows), as_rows(delta)
+    union, bits, count = tile_route_union(routes, geo.rows, geo.block_k)
+    dq_arr, dk, dv = _backward_call(q, k, v, do, lse, delta, union, bits, count, geo, scale, bs,
+                                    interpret)
     dq = _restore_queries(dq_arr, geo, s_q, d)
     return dq, dk[..., :d].astype(k.dtype), dv[..., :d].astype(v.dtype)
 

@@ -72,9 +72,12 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
 
 
-# Tuned-later defaults: H200 at D = 256 starts from the issue's values; other
-# devices and head dims get the same shape with lighter backward tiles.
-DEFAULT_BLOCK_SIZES = BlockSizes()
+# H200 at D = 256, S = 32768, (24,2), QSA routes (docs/benchmarks.md, probe of
+# 2026-11-30): all 16 padded heads of a tile in one backward program (half the dK/dV
+# atomics of two 8-head programs) with two stages, 72.7 ms against 84.0 ms for
+# (64, 1 stage); three forward stages 9.1 ms against 9.3. Other devices and head dims
+# get lighter tiles.
+DEFAULT_BLOCK_SIZES = BlockSizes(num_stages=3, backward_block_m=128, backward_num_stages=2)
 SAFE_BLOCK_SIZES = BlockSizes(block_m=64, block_k=32, num_warps=4, num_stages=2,
                               backward_block_m=32, backward_block_k=32,
                               backward_num_warps=4, backward_num_stages=1)
@@ -256,8 +259,10 @@ def _forward(q, k, v, unions: TileUnions, scale: float, plan: _Plan):
     return out, lse
 
 
-def _backward(q, k, v, out, lse, grad_out, unions: TileUnions, scale: float, plan: _Plan):
-    """Backward kernel: dq (q's dtype), dk, dv (k's dtype) from fp32 atomic accumulators."""
+def _backward(q, k, v, out, lse, grad_out, unions: TileUnions, scale: float, plan: _Plan,
+              skip_dkdv: bool = False):
+    """Backward kernel: dq (q's dtype), dk, dv (k's dtype) from fp32 atomic accumulators.
+    ``skip_dkdv`` (measurement only) leaves out the dK/dV atomics: dk, dv come back zero."""
     kernels, interpreted = _load_kernels()
     bsz, s_q, hq, d = q.shape
     s_kv, hkv = k.shape[1], k.shape[2]
@@ -272,7 +277,8 @@ def _backward(q, k, v, out, lse, grad_out, unions: TileUnions, scale: float, pla
         s_q, n_tiles, width, hkv, plan.group, d, scale, scale * kernels.LOG2E,
     )
     constexprs = dict(T=plan.rows_per_tile, D_PAD=plan.head_dim_pad,
-                      IEEE=interpreted or q.dtype == torch.float32, INTERPRET=interpreted)
+                      IEEE=interpreted or q.dtype == torch.float32, INTERPRET=interpreted,
+                      SKIP_DKDV=skip_dkdv)
     b = plan.blocks
     _launch(kernels.qsa_backward_kernel, args, constexprs, unions, bsz * hkv, plan.group,
             plan.bwd_heads, b.backward_block_k, b.backward_num_warps, b.backward_num_stages,
