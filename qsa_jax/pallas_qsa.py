@@ -47,7 +47,7 @@ class BlockSizes:
     num_warps: int = 8
     num_stages: int = 3
     block_m_bwd: int = 64
-    block_k_bwd: int = 32
+    block_k_bwd: int = 64
     num_warps_bwd: int = 8
     num_stages_bwd: int = 1
 
@@ -58,10 +58,16 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {value}")
 
     @classmethod
-    def default(cls, head_dim: int, interpret: bool) -> "BlockSizes":
-        """Tuned for the H200 at D=256; small tiles for interpret mode."""
+    def default(cls, head_dim: int, interpret: bool, dtype=jnp.bfloat16) -> "BlockSizes":
+        """The defaults: tuned on the H200 for 16-bit inputs at D=256 (S=32768, (24,2),
+        QSA routes: forward 11.9 ms with 3 stages against 12.4 with 2; backward 49.9 ms
+        with 64-ID chunks against 60.4 with 32); small tiles for interpret mode; for
+        fp32 inputs tiles that fit the 227 KiB of shared memory (fp32 operands take twice
+        the bytes: the 16-bit tiles asked for 385 KiB there)."""
         if interpret:
             return cls(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
+        if jnp.dtype(dtype) == jnp.float32:
+            return cls(block_m=64, block_k=16, num_stages=1, block_m_bwd=32, block_k_bwd=16)
         if head_dim <= 128:
             return cls(block_m=128, block_k=64, block_m_bwd=128, block_k_bwd=32)
         return cls()
@@ -409,7 +415,7 @@ def pallas_sparse_gqa_attention(
     if interpret is None:
         interpret = not on_gpu(query)
     if block_sizes is None:
-        block_sizes = BlockSizes.default(checked.dims.head_dim, interpret)
+        block_sizes = BlockSizes.default(checked.dims.head_dim, interpret, query.dtype)
     return _run(query, key, value, routes, scale=checked.scale, block_sizes=block_sizes,
                 interpret=bool(interpret))
 

@@ -53,7 +53,7 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def check(results, seq_len, heads_list=((24, 2), (12, 1))):
+def check(results, seq_len, heads_list=((24, 2), (12, 1)), dtype="bfloat16"):
     import jax
     import jax.numpy as jnp
 
@@ -65,7 +65,7 @@ def check(results, seq_len, heads_list=((24, 2), (12, 1))):
     rng = np.random.default_rng(0)
     for heads in heads_list:
         for layout, fam in (("padded", "qsa"), ("packed", "qsa"), ("cp", "qsa"), ("packed", "adversarial")):
-            name = f"{layout}/{fam}/{heads}"
+            name = f"{layout}/{fam}/{heads}/{dtype}"
             try:
                 kw = dict(top_k=512) if fam == "qsa" else dict(width=256)
                 prob = make_problem(layout, fam, seed=int(rng.integers(1 << 30)), seq_len=seq_len,
@@ -81,7 +81,7 @@ def check(results, seq_len, heads_list=((24, 2), (12, 1))):
                 routes = jnp.asarray(prepare_routes(prob.routes))
                 outs = {}
                 # the reference runs in fp32 on the same bf16-rounded inputs
-                for impl, fn, dt in (("pallas", pallas_sparse_gqa_attention, jnp.bfloat16),
+                for impl, fn, dt in (("pallas", pallas_sparse_gqa_attention, jnp.dtype(dtype)),
                                      ("xla", reference_sparse_gqa_attention, jnp.float32)):
                     # routes are a jit argument: as a closed-over constant XLA would
                     # constant-fold the route sorts for minutes
@@ -179,6 +179,7 @@ def main():
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--check-len", type=int, default=8192)
     parser.add_argument("--heads", default="24:2,12:1", help="heads for --check, e.g. 12:1")
+    parser.add_argument("--check-dtype", default="bfloat16", help="input dtype of the Pallas run in --check")
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--sizes", default="8192,32768")
     parser.add_argument("--configs", default="default")
@@ -191,7 +192,7 @@ def main():
     try:
         if args.check:
             heads = [tuple(int(x) for x in h.split(":")) for h in args.heads.split(",")]
-            check(results, args.check_len, heads)
+            check(results, args.check_len, heads, args.check_dtype)
         if args.time:
             configs = [(c, CONFIGS[c]) for c in args.configs.split(",")]
             timing(results, [int(s) for s in args.sizes.split(",")], configs)
