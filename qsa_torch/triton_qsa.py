@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .routes import check_deterministic_backward, normalize_routes, validate_inputs
+from .routes import check_deterministic_backward, validate_inputs
 
 __all__ = [
     "BlockSizes",
@@ -38,6 +38,7 @@ __all__ = [
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_ROWS_PER_TILE = 32  # rowbits is an int32 bitmask
 _MAX_HEAD_DIM = 256
+_MAX_GRID_Y = 65535  # CUDA's limit on grid dimension y
 
 
 @dataclass(frozen=True)
@@ -136,45 +137,52 @@ class TileUnions:
     rows_per_tile: int
 
 
-def build_tile_unions(canonical_routes: torch.Tensor, kv_length: int, rows_per_tile: int) -> TileUnions:
-    """Tile unions of canonical routes (no host synchronisation).
+def build_tile_unions(routes: torch.Tensor, kv_length: int, rows_per_tile: int) -> TileUnions:
+    """Tile unions of routes as the contract takes them (no host synchronisation).
 
-    ``canonical_routes``: int32 ``[B, S_q, K]`` as returned by
-    :func:`qsa_torch.routes.normalize_routes` (invalid and repeated IDs are -1).
-    ``rows_per_tile`` T is a power of two <= 32. The last tile is padded with empty
-    rows. One segmented sort of the ``T * K`` keys ``id * T + t`` per tile gives
-    the union in order and, for every key, the union slot of its ID.
+    ``routes``: signed int32/int64 ``[B, S_q, K]``, any strides. IDs outside
+    ``[0, kv_length)`` (negative, past the end, huge int64) are padding and repeated
+    IDs count once, so no :func:`qsa_torch.routes.normalize_routes` pass (a sort of
+    every row) is needed first. ``rows_per_tile`` T is a power of two <= 32. The last
+    tile is padded with empty rows. One segmented sort of the ``T * K`` keys
+    ``id * T + t`` per tile gives the union in order and, for every key, the union
+    slot of its ID.
     """
     if rows_per_tile < 1 or rows_per_tile > _MAX_ROWS_PER_TILE or rows_per_tile & (rows_per_tile - 1):
         raise ValueError(f"rows_per_tile must be a power of two in [1, 32], got {rows_per_tile}")
-    bsz, s_q, k = canonical_routes.shape
+    bsz, s_q, k = routes.shape
     t = rows_per_tile
     n_tiles = -(-s_q // t)
-    routes = canonical_routes
-    if n_tiles * t != s_q:
-        routes = torch.nn.functional.pad(routes, (0, 0, 0, n_tiles * t - s_q), value=-1)
-    routes = routes.reshape(bsz, n_tiles, t, k)
+    device = routes.device
+    # compare in the input dtype: casting huge int64 to int32 first would wrap
+    valid = (routes >= 0) & (routes < kv_length)
     key_dtype = torch.int32 if kv_length * t < 2**31 - 1 else torch.int64
     sentinel = torch.iinfo(key_dtype).max
     shift = t.bit_length() - 1
-    rows = torch.arange(t, device=routes.device, dtype=key_dtype).view(1, 1, t, 1)
-    keys = torch.where(routes >= 0, (routes.to(key_dtype) << shift) + rows,
-                       torch.full((), sentinel, dtype=key_dtype, device=routes.device))
+    ids = torch.where(valid, routes, torch.zeros((), dtype=routes.dtype, device=device)).to(key_dtype)
+    rows = (torch.arange(s_q, device=device, dtype=key_dtype) % t).view(1, s_q, 1)
+    keys = torch.where(valid, (ids << shift) + rows, torch.full((), sentinel, dtype=key_dtype, device=device))
+    if n_tiles * t != s_q:  # not F.pad: its float fill value cannot hold an int64 sentinel
+        filler = torch.full((bsz, n_tiles * t - s_q, k), sentinel, dtype=key_dtype, device=device)
+        keys = torch.cat([keys, filler], dim=1)
     keys = torch.sort(keys.reshape(bsz, n_tiles, t * k), dim=-1).values
     valid = keys != sentinel
     ids = (keys >> shift).to(torch.int32)
     first = valid.clone()
     first[..., 1:] &= ids[..., 1:] != ids[..., :-1]
+    # a repeated (ID, row) pair sets its bit once
+    fresh = valid.clone()
+    fresh[..., 1:] &= keys[..., 1:] != keys[..., :-1]
     slot = torch.cumsum(first, dim=-1, dtype=torch.int32) - 1
     count = slot[..., -1] + 1
     width = min(t * k, kv_length)
-    spare = torch.full((), width, dtype=torch.int64, device=routes.device)
-    union = torch.full((bsz, n_tiles, width + 1), -1, dtype=torch.int32, device=routes.device)
+    spare = torch.full((), width, dtype=torch.int64, device=device)
+    union = torch.full((bsz, n_tiles, width + 1), -1, dtype=torch.int32, device=device)
     union.scatter_(-1, torch.where(first, slot.long(), spare), ids)
     bit = torch.bitwise_left_shift(
-        torch.ones((), dtype=torch.int32, device=routes.device), (keys & (t - 1)).to(torch.int32))
-    rowbits = torch.zeros((bsz, n_tiles, width + 1), dtype=torch.int32, device=routes.device)
-    rowbits.scatter_add_(-1, torch.where(valid, slot.long(), spare), torch.where(valid, bit, 0))
+        torch.ones((), dtype=torch.int32, device=device), (keys & (t - 1)).to(torch.int32))
+    rowbits = torch.zeros((bsz, n_tiles, width + 1), dtype=torch.int32, device=device)
+    rowbits.scatter_add_(-1, torch.where(fresh, slot.long(), spare), torch.where(fresh, bit, 0))
     return TileUnions(union[..., :width].contiguous(), count.contiguous(),
                       rowbits[..., :width].contiguous(), t)
 
@@ -226,6 +234,10 @@ def _launch(kernel, tail_args, constexprs: dict, unions: TileUnions, batch_kv_he
     n_tiles = unions.union.shape[1]
     for i, (hb, bk, stages) in enumerate(attempts):
         chunks = -(-group // hb)
+        if batch_kv_heads * chunks > _MAX_GRID_Y:
+            raise ValueError(
+                f"triton_qsa launches batch * kv_heads * head chunks = {batch_kv_heads * chunks} "
+                f"programs along CUDA grid axis y, more than its limit {_MAX_GRID_Y}: split the batch")
         try:
             kernel[(n_tiles, batch_kv_heads * chunks)](
                 *tail_args, chunks, **constexprs, HB=hb, BLOCK_K=bk, num_warps=num_warps,
@@ -353,7 +365,6 @@ def triton_sparse_gqa_attention(
         )
     blocks = block_sizes or default_block_sizes(query.device, dims.head_dim, query.dtype)
     plan = _make_plan(dims.group_size, dims.head_dim, blocks)
-    routes = normalize_routes(selected_token_ids, dims.kv_length)
-    unions = build_tile_unions(routes, dims.kv_length, plan.rows_per_tile)
+    unions = build_tile_unions(selected_token_ids, dims.kv_length, plan.rows_per_tile)
     return _TritonQSA.apply(query, key, value, unions.union, unions.count, unions.rowbits,
                             checked.scale, plan)

@@ -140,8 +140,16 @@ def test_tile_unions_match_brute_force(rows_per_tile):
         adversarial_routes(kv_length, width=width, rng=rng)[None, :45],
         random_routes(kv_length, width=width, rng=rng, causal=False)[None, :45],
     ])
-    canonical = normalize_routes(torch.from_numpy(routes), kv_length)
-    unions = build_tile_unions(canonical, kv_length, rows_per_tile)
+    raw = torch.from_numpy(routes)
+    unions = build_tile_unions(raw, kv_length, rows_per_tile)
+    # canonical routes (the references' form) and a strided view give the same unions
+    canonical = build_tile_unions(normalize_routes(raw, kv_length), kv_length, rows_per_tile)
+    strided_view = raw.repeat_interleave(2, dim=2)[..., ::2]
+    assert not strided_view.is_contiguous()
+    strided = build_tile_unions(strided_view, kv_length, rows_per_tile)
+    for other in (canonical, strided):
+        assert torch.equal(other.union, unions.union) and torch.equal(other.count, unions.count)
+        assert torch.equal(other.rowbits, unions.rowbits)
     expect = _brute_force_unions(routes, kv_length, rows_per_tile)
     n_tiles = -(-45 // rows_per_tile)
     union_width = min(rows_per_tile * width, kv_length)
@@ -164,8 +172,7 @@ def test_tile_unions_with_wide_keys():
     routes[0, 3] = routes[0, 2]  # two identical rows
     routes[0, 5, 1] = routes[0, 5, 0]  # a repeated ID within a row
     routes[0, 7, :3] = kv_length - 1
-    canonical = normalize_routes(torch.from_numpy(routes), kv_length)
-    unions = build_tile_unions(canonical, kv_length, 32)
+    unions = build_tile_unions(torch.from_numpy(routes), kv_length, 32)
     valid = (routes >= 0) & (routes < kv_length)
     for tile in range(3):
         rows = slice(32 * tile, 32 * tile + 32)
@@ -319,3 +326,34 @@ def test_deterministic_backward_is_refused():
             triton_sparse_gqa_attention(q, k, v, routes)
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def test_grid_axis_limit_is_a_clear_error(monkeypatch):
+    """batch * KV heads * head chunks goes on CUDA grid axis y (at most 65535): past it
+    the backend refuses with ValueError instead of a launch failure."""
+    monkeypatch.setattr(triton_qsa, "_MAX_GRID_Y", 3)
+    q = torch.randn(2, 8, 4, 16)
+    kv = torch.randn(2, 8, 2, 16)
+    routes = torch.zeros(2, 8, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="grid axis y"):
+        triton_sparse_gqa_attention(q, kv, kv, routes)
+    monkeypatch.setattr(triton_qsa, "_MAX_GRID_Y", 4)
+    assert triton_sparse_gqa_attention(q, kv, kv, routes).shape == q.shape
+
+
+def test_skip_dkdv_measurement_hook():
+    """The probe's hook masks every dK/dV add off at run time: dk/dv stay zero and dq
+    is the same as with the adds."""
+    torch.manual_seed(0)
+    q, do = torch.randn(2, 2, 9, 4, 16).unbind(0)
+    k, v = torch.randn(2, 2, 11, 2, 16).unbind(0)
+    routes = torch.randint(-2, 13, (2, 9, 5))
+    plan = triton_qsa._make_plan(2, 16, BlockSizes(block_m=16, block_k=16, backward_block_m=16,
+                                                   backward_block_k=16))
+    unions = build_tile_unions(routes, 11, plan.rows_per_tile)
+    out, lse = triton_qsa._forward(q, k, v, unions, 0.25, plan)
+    dq, dk, dv = triton_qsa._backward(q, k, v, out, lse, do, unions, 0.25, plan)
+    dq_skip, dk_skip, dv_skip = triton_qsa._backward(q, k, v, out, lse, do, unions, 0.25, plan,
+                                                     skip_dkdv=True)
+    assert dk.abs().sum() > 0 and dv.abs().sum() > 0
+    assert torch.equal(dq_skip, dq) and not dk_skip.any() and not dv_skip.any()

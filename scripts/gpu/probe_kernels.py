@@ -23,6 +23,7 @@ import traceback
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
@@ -60,7 +61,6 @@ def torch_part(routes_np, s, n_routes):
     import triton.testing
 
     from qsa_torch import triton_qsa as tq
-    from qsa_torch.routes import normalize_routes
 
     dev = "cuda"
     hq, hkv, d = 24, 2, 256
@@ -69,7 +69,7 @@ def torch_part(routes_np, s, n_routes):
     k = torch.randn(1, s, hkv, d, device=dev, dtype=torch.bfloat16, generator=g)
     v = torch.randn(1, s, hkv, d, device=dev, dtype=torch.bfloat16, generator=g)
     do = torch.randn(1, s, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
-    routes = normalize_routes(torch.as_tensor(routes_np, device=dev), s)
+    routes = torch.as_tensor(routes_np, device=dev)
     bench = lambda f: float(triton.testing.do_bench(f, warmup=3, rep=60))  # noqa: E731
     flops = 4.0 * n_routes * hq * d
 
@@ -128,6 +128,7 @@ def jax_part(routes_np, s, n_routes):
     import jax
     import jax.numpy as jnp
 
+    from jax_kernel import timed  # scripts/gpu/jax_kernel.py
     from qsa_jax import pallas_qsa as pq
 
     hq, hkv, d = 24, 2, 256
@@ -138,16 +139,6 @@ def jax_part(routes_np, s, n_routes):
     do = jax.random.normal(k4, (1, s, hq, d), jnp.bfloat16)
     routes = jnp.asarray(routes_np.astype(np.int32))
     flops = 4.0 * n_routes * hq * d
-
-    def timed(fn, *args, iters=10):
-        for _ in range(2):
-            jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - t)
-        return float(np.median(times) * 1e3)
 
     def dense():
         f = lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=True, scale=1 / 16,  # noqa: E731
