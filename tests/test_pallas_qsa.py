@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from contract_base import BackendContract, UnroutedRowsIsolated, random_inputs
+from contract_base import TOLERANCE, BackendContract, UnroutedRowsIsolated, random_inputs
 from runners import run_jax
 from qsa_common.generators import adversarial_routes
 from qsa_common.layouts import make_problem
@@ -201,3 +201,24 @@ def test_backward_lowers_dkdv_adds_to_relaxed_atomics(monkeypatch):
     atomics = [line for asm in modules for line in asm.splitlines() if "tt.atomic_rmw" in line]
     assert len(atomics) == 2, atomics
     assert all("fadd, relaxed" in line for line in atomics), atomics
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_default_block_sizes_in_interpret_mode(dtype):
+    """The tile shapes the GPU runs by default (16-bit: 128 x 64 forward, 64 x 64
+    backward; fp32: smaller), here through the interpreter at D=256 and G=12 (padded to
+    16), so the default geometry's index arithmetic is checked against the oracle on CPU."""
+    import jax.numpy as jnp
+
+    from qsa_jax.pallas_qsa import BlockSizes
+
+    rng = np.random.default_rng()
+    bs = BlockSizes.default(256, interpret=False, dtype=jnp.dtype(dtype))
+    if dtype == "bfloat16":
+        assert (bs.block_m, bs.block_k, bs.block_m_bwd, bs.block_k_bwd) == (128, 64, 64, 64)
+    problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=40, top_k=6)
+    q, k, v, do = random_inputs(rng, problem.routes, 40, (12, 1), 256, dtype)
+    got = run_jax(lambda *a: pallas(*a, block_sizes=bs), q, k, v, problem.routes, 0.0625, do, dtype)
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.0625, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert relative_error(g, w) < TOLERANCE[dtype], name

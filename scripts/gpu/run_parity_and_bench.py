@@ -20,6 +20,7 @@ Steps (each guarded: one failing step never loses the others' results):
    written as each shape finishes, so a timeout still leaves partial results;
    bench.md/json/png are rebuilt at the end in any case).
 6. ``summary.md`` / ``summary.json`` and a short summary table printed last.
+7. Everything but ``summary.md`` packed into ``results.tar.gz`` (``--no-pack`` to keep files).
 """
 
 from __future__ import annotations
@@ -204,6 +205,8 @@ def main() -> int:
     parser.add_argument("--skip-api", action="store_true", help="skip the GPU test of the torch API")
     parser.add_argument("--parity-args", default="", help="extra arguments for python -m parity (one string)")
     parser.add_argument("--bench-args", default="", help="extra arguments for python -m parity.bench")
+    parser.add_argument("--no-pack", dest="pack", action="store_false",
+                        help="leave the outputs as files instead of one results.tar.gz beside summary.md")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     start = time.time()
@@ -241,7 +244,25 @@ def main() -> int:
             steps["routes"] = routes.wait(time.time() + 5)
     steps["total_seconds"] = round(time.time() - start)
     summary(args.out, steps)
+    if args.pack:
+        pack(args.out)
     return 0
+
+
+def pack(out: str) -> None:
+    """Everything under ``out`` but summary.md into one ``results.tar.gz`` (the device
+    tool returns at most 8 files: the first GPU run lost its parity JSON to that limit)."""
+    import shutil
+    import tarfile
+
+    names = [n for n in sorted(os.listdir(out)) if n not in ("summary.md", "results.tar.gz")]
+    with tarfile.open(os.path.join(out, "results.tar.gz"), "w:gz") as tar:
+        for name in names:
+            tar.add(os.path.join(out, name), arcname=name)
+    for name in names:
+        path = os.path.join(out, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    print(f"packed {len(names)} entries into {out}/results.tar.gz", flush=True)
 
 
 if __name__ == "__main__":
