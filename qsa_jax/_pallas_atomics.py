@@ -14,38 +14,52 @@ to ``jax.ref.addupdate`` (same results, slower) and :data:`RELAXED` is False.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 
 __all__ = ["RELAXED", "relaxed_addupdate"]
 
 
 def _build():
+    import inspect
+
     from jax._src import core as jax_core
     from jax._src import tree_util
     from jax._src.pallas.triton import lowering
     from jax._src.state import discharge as state_discharge
     from jax._src.state import primitives as sp
 
+    # Every private name the lowering uses is looked up here, at import, so a JAX that
+    # changed them falls back now rather than failing later when a kernel compiles.
+    abstract_eval = sp._addupdate_abstract_eval
+    discharge = state_discharge._addupdate_discharge_rule
+    get_ref_and_transforms = sp.get_ref_and_transforms
+    is_pointer = lowering._is_triton_pointer_type
+    pointers = lowering._compute_pointers_from_indices
+    atomic_rmw = lowering._atomic_rmw
+    fadd = lowering.tt_dialect.RMWOp.FADD
+    relaxed = lowering.tt_dialect.MemSemantic.RELAXED
+    if "semantic" not in inspect.signature(atomic_rmw).parameters:
+        raise TypeError("jax's Pallas _atomic_rmw takes no memory-order argument")
+
     prim = jax_core.Primitive("qsa_relaxed_addupdate")
     prim.is_effectful = lambda params: True
     prim.multiple_results = True
-    prim.def_effectful_abstract_eval(sp._addupdate_abstract_eval)
-    state_discharge.register_discharge_rule(prim)(state_discharge._addupdate_discharge_rule)
-    relaxed = lowering.tt_dialect.MemSemantic.RELAXED
+    prim.def_effectful_abstract_eval(abstract_eval)
+    state_discharge.register_discharge_rule(prim)(discharge)
 
     @lowering.register_lowering(prim)
     def _lower(ctx, ptr, value, *idx, tree):
         block_info, *_ = ctx.block_infos
         indexers = tree_util.tree_unflatten(tree, idx)
-        if len(indexers) != 1 or not lowering._is_triton_pointer_type(ptr.type):
+        if len(indexers) != 1 or not is_pointer(ptr.type):
             raise NotImplementedError("relaxed_addupdate takes one indexer into a pointer ref")
-        ptr = lowering._compute_pointers_from_indices(ptr, block_info, indexers[0])
-        op = lowering.tt_dialect.RMWOp.FADD
-        lowering._atomic_rmw(op, ptr, value, semantic=relaxed)
+        atomic_rmw(fadd, pointers(ptr, block_info, indexers[0]), value, semantic=relaxed)
         return []
 
     def bind(ref, idx, value):
-        ref, transforms = sp.get_ref_and_transforms(ref, idx, "relaxed_addupdate")
+        ref, transforms = get_ref_and_transforms(ref, idx, "relaxed_addupdate")
         flat, tree = tree_util.tree_flatten(transforms)
         prim.bind(ref, value, *flat, tree=tree)
 
@@ -55,9 +69,13 @@ def _build():
 try:
     _bind = _build()
     RELAXED = True
-except Exception:  # noqa: BLE001 - any mismatch of JAX internals: keep the public form
+except Exception as err:  # noqa: BLE001 - any mismatch of JAX internals: keep the public form
     _bind = None
     RELAXED = False
+    logging.getLogger("qsa_jax").warning(
+        "qsa_jax: relaxed atomic adds unavailable on this JAX (%s: %s); the Pallas backward "
+        "uses jax.ref.addupdate (acquire-release atomics: same results, about 2x slower on "
+        "the H200)", type(err).__name__, err)
 
 
 def relaxed_addupdate(ref, idx, value) -> None:

@@ -68,8 +68,8 @@ class BlockSizes:
             return cls(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
         if jnp.dtype(dtype) == jnp.float32:
             return cls(block_m=64, block_k=16, num_stages=1, block_m_bwd=32, block_k_bwd=16)
-        if head_dim <= 128:
-            return cls(block_m=128, block_k=64, block_m_bwd=128, block_k_bwd=32)
+        if head_dim <= 128:  # not measured at these head dims
+            return cls(block_m=128, block_k=64, num_stages=2, block_m_bwd=128, block_k_bwd=32)
         return cls()
 
 
@@ -271,7 +271,7 @@ def _specs(geo: _Geometry, kv_length: int, union_width: int):
 
 def _forward_call(q, k, v, union, bits, count, geo: _Geometry, scale, bs: BlockSizes, interpret):
     """The forward kernel over precomputed tile unions: ``(o_arr, lse)`` in the tile arrangement."""
-    bsz, _, hq, _ = q.shape
+    bsz = q.shape[0]
     kv_length, hkv = k.shape[1], k.shape[2]
     n_tiles = union.shape[1]
     q_arr = _arrange_queries(q, geo, hkv)

@@ -147,9 +147,11 @@ def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
     dv_blk = _mm(tl.trans(_cast(p, do.dtype, INTERPRET)), do, IEEE)
     dk_blk = _mm(tl.trans(_cast(ds, q.dtype, INTERPRET)), q, IEEE) * scale
     if SKIP_DKDV:
-        # measurement hook: the same instructions under a mask that is false at run time
-        # (the compiler cannot drop the dK/dV dots), so no atomic reaches memory
-        kv_mask = kv_mask & (count < 0)
+        # measurement hook: the same instructions under a mask that is false at run time,
+        # so no atomic reaches memory. The condition is on a stride argument, whose sign
+        # the compiler cannot know (``count < 0`` could be folded inside the loop over
+        # count, and the dK/dV dots dropped with it).
+        kv_mask = kv_mask & (sdk_s < 0)
     # rows past count carry zeros and are masked: they add nothing
     acc_off = ids64[:, None] * sdk_s + d[None, :]
     tl.atomic_add(dv_base + acc_off, dv_blk, mask=kv_mask, sem="relaxed")

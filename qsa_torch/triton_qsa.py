@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .routes import check_deterministic_backward, validate_inputs
+from .routes import check_deterministic_backward, validate_inputs, validate_routes
 
 __all__ = [
     "BlockSizes",
@@ -140,7 +140,7 @@ class TileUnions:
 def build_tile_unions(routes: torch.Tensor, kv_length: int, rows_per_tile: int) -> TileUnions:
     """Tile unions of routes as the contract takes them (no host synchronisation).
 
-    ``routes``: signed int32/int64 ``[B, S_q, K]``, any strides. IDs outside
+    ``routes``: int32/int64 ``[B, S_q, K]``, any strides (other dtypes raise TypeError). IDs outside
     ``[0, kv_length)`` (negative, past the end, huge int64) are padding and repeated
     IDs count once, so no :func:`qsa_torch.routes.normalize_routes` pass (a sort of
     every row) is needed first. ``rows_per_tile`` T is a power of two <= 32. The last
@@ -148,6 +148,11 @@ def build_tile_unions(routes: torch.Tensor, kv_length: int, rows_per_tile: int) 
     ``id * T + t`` per tile gives the union in order and, for every key, the union
     slot of its ID.
     """
+    validate_routes(routes)
+    if routes.dim() != 3:
+        raise ValueError(f"routes must have rank 3 [B, S_q, K], got shape {tuple(routes.shape)}")
+    if not 0 < kv_length < 2**31:
+        raise ValueError(f"kv_length must be in [1, 2**31), got {kv_length}")
     if rows_per_tile < 1 or rows_per_tile > _MAX_ROWS_PER_TILE or rows_per_tile & (rows_per_tile - 1):
         raise ValueError(f"rows_per_tile must be a power of two in [1, 32], got {rows_per_tile}")
     bsz, s_q, k = routes.shape
@@ -232,12 +237,16 @@ def _launch(kernel, tail_args, constexprs: dict, unions: TileUnions, batch_kv_he
         chunk_options += [(bk, 1) for bk in (block_k // 2, block_k // 4) if bk >= 16]
         attempts = list(dict.fromkeys((h, bk, st) for h in head_options for bk, st in chunk_options))
     n_tiles = unions.union.shape[1]
+    # batch * KV heads * head chunks go on CUDA grid axis y
+    fitting = [a for a in attempts if batch_kv_heads * -(-group // a[0]) <= _MAX_GRID_Y]
+    if not fitting:
+        needed = batch_kv_heads * -(-group // attempts[0][0])
+        raise ValueError(
+            f"triton_qsa launches batch * kv_heads * head chunks = {needed} programs along "
+            f"CUDA grid axis y, more than its limit {_MAX_GRID_Y}: split the batch")
+    attempts = fitting
     for i, (hb, bk, stages) in enumerate(attempts):
         chunks = -(-group // hb)
-        if batch_kv_heads * chunks > _MAX_GRID_Y:
-            raise ValueError(
-                f"triton_qsa launches batch * kv_heads * head chunks = {batch_kv_heads * chunks} "
-                f"programs along CUDA grid axis y, more than its limit {_MAX_GRID_Y}: split the batch")
         try:
             kernel[(n_tiles, batch_kv_heads * chunks)](
                 *tail_args, chunks, **constexprs, HB=hb, BLOCK_K=bk, num_warps=num_warps,

@@ -357,3 +357,17 @@ def test_skip_dkdv_measurement_hook():
                                                      skip_dkdv=True)
     assert dk.abs().sum() > 0 and dv.abs().sum() > 0
     assert torch.equal(dq_skip, dq) and not dk_skip.any() and not dv_skip.any()
+
+
+def test_tile_unions_validate_their_inputs():
+    routes = torch.zeros(1, 4, 3, dtype=torch.int64)
+    for bad in (routes.to(torch.int16), routes.to(torch.uint8), routes.float()):
+        with pytest.raises(TypeError):
+            build_tile_unions(bad, 40000, 4)
+    for kv_length in (0, 2**31):
+        with pytest.raises(ValueError):
+            build_tile_unions(routes, kv_length, 4)
+    with pytest.raises(ValueError):
+        build_tile_unions(routes[0], 8, 4)
+    with pytest.raises(ValueError):
+        build_tile_unions(routes, 8, 3)
