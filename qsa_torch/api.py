@@ -15,12 +15,17 @@ DEBUG afterwards). The torch reference ends every list, so ``"auto"`` always
 produces an answer. A backend named explicitly runs without fallback; its own
 errors propagate.
 
-Backward cost: the op saves only its inputs (query, key, value, routes). The
-backward op runs the chosen backend's forward again under autograd and asks
-torch for the gradients, so one forward+backward through this API costs two
-forwards plus one backward of the backend (one forward more than calling the
-backend directly), and no activation (output, LSE) stays alive between the
-passes: memory between forward and backward is only the inputs.
+Backward cost: when the backend is Triton (named, or the first backend ``"auto"``
+finds statically supported, as on Hopper), the call goes through a second op pair,
+``qsa::triton_sparse_gqa_attention`` and its backward, whose forward returns the
+output with the kernel's residuals (LSE and tile unions); the backward uses them,
+so forward+backward costs what the backend's own autograd costs. Every other
+backend goes through ``qsa::sparse_gqa_attention``, which saves only its inputs:
+its backward op runs the chosen backend's forward again under autograd and asks
+torch for the gradients (two forwards plus one backward; memory between the passes
+is only the inputs). In eager mode a Triton call under ``"auto"`` that raises
+NotImplementedError or runs out of memory falls back to the other op and the next
+backend; under ``torch.compile`` such errors propagate.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .routes import ProblemDims, validate_inputs
+from .routes import ProblemDims, check_deterministic_backward, validate_inputs
 
 __all__ = [
     "BACKENDS",
@@ -317,6 +322,83 @@ def _backward(ctx, grad_out):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("qsa::triton_sparse_gqa_attention", mutates_args=())
+def _triton_forward_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    selected_token_ids: torch.Tensor,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from . import triton_qsa
+
+    return triton_qsa.forward_with_residuals(query, key, value, selected_token_ids, softmax_scale)
+
+
+@_triton_forward_op.register_fake
+def _triton_forward_fake(query, key, value, selected_token_ids, softmax_scale):
+    from . import triton_qsa
+
+    shapes = triton_qsa.residual_shapes(query, key, selected_token_ids)
+    return tuple(query.new_empty(shape, dtype=dtype) for shape, dtype in shapes)
+
+
+@torch.library.custom_op("qsa::triton_sparse_gqa_attention_backward", mutates_args=())
+def _triton_backward_op(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    union: torch.Tensor,
+    count: torch.Tensor,
+    rowbits: torch.Tensor,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from . import triton_qsa
+
+    grads = triton_qsa.backward_from_residuals(grad_out, query, key, value, out, lse, union, count,
+                                               rowbits, softmax_scale)
+    return tuple(g.contiguous() for g in grads)
+
+
+@_triton_backward_op.register_fake
+def _triton_backward_fake(grad_out, query, key, value, out, lse, union, count, rowbits, softmax_scale):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _triton_setup_context(ctx, inputs, output):
+    query, key, value, _routes, scale = inputs
+    out, lse, union, count, rowbits = output
+    ctx.mark_non_differentiable(lse, union, count, rowbits)
+    ctx.save_for_backward(query, key, value, out, lse, union, count, rowbits)
+    ctx.scale = scale
+
+
+def _triton_backward(ctx, grad_out, *_unused):
+    query, key, value, out, lse, union, count, rowbits = ctx.saved_tensors
+    dq, dk, dv = _triton_backward_op(grad_out, query, key, value, out, lse, union, count, rowbits,
+                                     ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_triton_forward_op.register_autograd(_triton_backward, setup_context=_triton_setup_context)
+
+
+def _first_supported(device: torch.device, dtype: torch.dtype, sizes: tuple, needs_grad: bool,
+                     route_format: str) -> str:
+    """The backend ``"auto"`` would try first (static checks only). ``sizes`` =
+    (B, S_q, S_kv, Hq, Hkv, D, K). Under torch.compile dynamo evaluates it while
+    tracing (no graph break: tests/test_torch_api.py checks it)."""
+    dims = ProblemDims(*sizes)
+    for name in candidate_backends(device):
+        if unsupported_reason(name, dims, device, dtype, needs_grad=needs_grad,
+                              route_format=route_format) is None:
+            return name
+    return "reference"
+
+
 def sparse_gqa_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -362,5 +444,18 @@ def sparse_gqa_attention(
     needs_grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
     )
+    d = checked.dims
+    sizes = (d.batch, d.query_length, d.kv_length, d.query_heads, d.kv_heads, d.head_dim,
+             d.routes_per_query)
+    if backend == "triton" or (backend == "auto" and _first_supported(
+            query.device, query.dtype, sizes, needs_grad, route_format) == "triton"):
+        check_deterministic_backward("triton_qsa", query, key, value)
+        if backend != "auto" or torch.compiler.is_compiling():
+            return _triton_forward_op(query, key, value, selected_token_ids, checked.scale)[0]
+        try:
+            return _triton_forward_op(query, key, value, selected_token_ids, checked.scale)[0]
+        except (NotImplementedError, torch.OutOfMemoryError) as err:
+            _log(f"sparse_gqa_attention: backend 'triton' failed ({type(err).__name__}: {err}); "
+                 "falling back", logging.WARNING)
     return _forward_op(query, key, value, selected_token_ids, checked.scale, backend, needs_grad,
                        route_format)

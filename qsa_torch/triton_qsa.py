@@ -359,21 +359,63 @@ def triton_sparse_gqa_attention(
         RuntimeError: gradients are needed while ``torch.use_deterministic_algorithms``
             is on (a warning instead in warn-only mode).
     """
+    checked, plan = _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes)
+    check_deterministic_backward("triton_qsa", query, key, value)
+    unions = build_tile_unions(selected_token_ids, checked.dims.kv_length, plan.rows_per_tile)
+    return _TritonQSA.apply(query, key, value, unions.union, unions.count, unions.rowbits,
+                            checked.scale, plan)
+
+
+def _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes=None):
+    """The contract's checks and this backend's own; returns ``(checked, plan)``."""
     checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale, dtypes=_DTYPES)
     dims = checked.dims
     if dims.head_dim > _MAX_HEAD_DIM:
         raise ValueError(f"query head dim must be <= {_MAX_HEAD_DIM} for triton_qsa, got {dims.head_dim}")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
-    check_deterministic_backward("triton_qsa", query, key, value)
     _, interpreted = _load_kernels()
     if query.device.type != "cuda" and not interpreted:
         raise ValueError(
             f"query is on {query.device}: triton_qsa needs CUDA tensors "
             "(CPU tensors only with TRITON_INTERPRET=1 set before triton is imported)"
         )
-    blocks = block_sizes or default_block_sizes(query.device, dims.head_dim, query.dtype)
-    plan = _make_plan(dims.group_size, dims.head_dim, blocks)
-    unions = build_tile_unions(selected_token_ids, dims.kv_length, plan.rows_per_tile)
-    return _TritonQSA.apply(query, key, value, unions.union, unions.count, unions.rowbits,
-                            checked.scale, plan)
+    return checked, _default_plan(query, key) if block_sizes is None else _make_plan(
+        dims.group_size, dims.head_dim, block_sizes)
+
+
+def _default_plan(query: torch.Tensor, key: torch.Tensor) -> _Plan:
+    head_dim = query.shape[3]
+    blocks = default_block_sizes(query.device, head_dim, query.dtype)
+    return _make_plan(query.shape[2] // key.shape[2], head_dim, blocks)
+
+
+# ---------------------------------------------------------------- residual form
+# For qsa_torch.api's custom ops: the forward hands back what the backward needs, so
+# a backward through the op does not run the forward again. Default block sizes only.
+def forward_with_residuals(query, key, value, selected_token_ids, softmax_scale: float):
+    """``(out, lse, union, count, rowbits)``: the output and the residuals of
+    :func:`backward_from_residuals` (shapes: :func:`residual_shapes`). No autograd."""
+    checked, plan = _setup(query, key, value, selected_token_ids, softmax_scale)
+    unions = build_tile_unions(selected_token_ids, checked.dims.kv_length, plan.rows_per_tile)
+    out, lse = _forward(query, key, value, unions, checked.scale, plan)
+    return out, lse, unions.union, unions.count, unions.rowbits
+
+
+def residual_shapes(query, key, selected_token_ids) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of :func:`forward_with_residuals`'s results, from metadata only."""
+    bsz, s_q, hq, _ = query.shape
+    t = _default_plan(query, key).rows_per_tile
+    n_tiles = -(-s_q // t)
+    width = min(t * selected_token_ids.shape[2], key.shape[1])
+    return [(tuple(query.shape), query.dtype), ((bsz, hq, s_q), torch.float32),
+            ((bsz, n_tiles, width), torch.int32), ((bsz, n_tiles), torch.int32),
+            ((bsz, n_tiles, width), torch.int32)]
+
+
+def backward_from_residuals(grad_out, query, key, value, out, lse, union, count, rowbits,
+                            softmax_scale: float):
+    """``(dq, dk, dv)`` from :func:`forward_with_residuals`'s results (same inputs)."""
+    plan = _default_plan(query, key)
+    unions = TileUnions(union, count, rowbits, plan.rows_per_tile)
+    return _backward(query, key, value, out, lse, grad_out, unions, softmax_scale, plan)

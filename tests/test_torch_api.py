@@ -252,3 +252,104 @@ def test_auto_on_gpu_matches_the_oracle_and_compiles(rng, caplog):
     for name, e, c, w in zip(("out", "dq", "dk", "dv"), eager, compiled, want):
         assert relative_error(e, w) < 1e-2, name
         assert relative_error(c, w) < 1e-2, name
+
+
+# ---------------------------------------------------------------- the Triton op pair
+# On CPU the Triton kernels run in the interpreter (conftest sets TRITON_INTERPRET=1).
+def _count_triton_forwards(monkeypatch):
+    from qsa_torch import triton_qsa
+
+    calls = []
+    original = triton_qsa._forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(triton_qsa, "_forward", counted)
+    return calls
+
+
+def test_triton_pair_runs_the_forward_once_per_training_step(rng, monkeypatch):
+    """backend="triton": the op pair saves LSE and tile unions, so forward+backward runs
+    the forward kernel once (the generic op would run it twice) and matches the oracle."""
+    calls = _count_triton_forwards(monkeypatch)
+    problem, q, k, v, do = _problem(rng, "padded", "qsa", heads=(6, 2))
+    got = run_torch(lambda *a: api.sparse_gqa_attention(*a, backend="triton"), q, k, v,
+                    problem.routes, 0.3, do, "float32")
+    assert len(calls) == 1
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert relative_error(g, w) < 1e-5, name
+
+
+def test_auto_takes_the_triton_pair_where_triton_comes_first(rng, monkeypatch, caplog):
+    monkeypatch.setitem(api.PREFERENCE, "cpu", ("triton",))
+    calls = _count_triton_forwards(monkeypatch)
+    problem, q, k, v, do = _problem(rng, "cp", "random")
+    got = run_torch(api.sparse_gqa_attention, q, k, v, problem.routes, 0.3, do, "float32")
+    assert len(calls) == 1
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert relative_error(g, w) < 1e-5, name
+
+    # a NotImplementedError from the pair: "auto" falls back to the generic op, logged
+    from qsa_torch import triton_qsa
+
+    def declines(*args, **kwargs):
+        raise NotImplementedError("declined for the test")
+
+    monkeypatch.setattr(triton_qsa, "forward_with_residuals", declines)
+    with caplog.at_level(logging.WARNING, logger="qsa_torch"):
+        again = run_torch(api.sparse_gqa_attention, q, k, v, problem.routes, 0.3, do, "float32")
+    assert "declined for the test" in caplog.text
+    for name, g, w in zip(("out", "dq", "dk", "dv"), again, want):
+        assert relative_error(g, w) < 1e-5, name
+    with pytest.raises(NotImplementedError):  # a named backend does not fall back
+        api.sparse_gqa_attention(*_leaves(q, k, v), torch.from_numpy(problem.routes), backend="triton")
+
+
+def test_auto_choosing_triton_traces_without_graph_breaks(rng, monkeypatch):
+    """The static choice of "auto" runs in Python before the op: dynamo must trace it
+    (device class, runtime lookup, static reasons) without breaking the graph."""
+    monkeypatch.setitem(api.PREFERENCE, "cpu", ("triton", "flex"))
+    calls = _count_triton_forwards(monkeypatch)
+    problem, q, k, v, do = _problem(rng, "padded", "qsa", seq_len=16)
+    routes = torch.from_numpy(problem.routes)
+    grad = torch.from_numpy(do).float()
+
+    def loss(q_, k_, v_, r_):
+        return (api.sparse_gqa_attention(q_, k_, v_, r_, 0.3) * grad).sum()
+
+    explanation = torch._dynamo.explain(loss)(*_leaves(q, k, v), routes)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    calls.clear()
+    leaves = _leaves(q, k, v)
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(*leaves, routes).backward()
+    assert len(calls) == 1  # the Triton pair, not the generic op's recomputation
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    for got, ref in zip([x.grad.numpy() for x in leaves], want[1:]):
+        assert relative_error(got, ref) < 1e-5
+
+
+def test_triton_pair_compiles_fullgraph_and_passes_opcheck(rng):
+    problem, q, k, v, do = _problem(rng, "packed", "adversarial", seq_len=16)
+    routes = torch.from_numpy(problem.routes)
+    grad = torch.from_numpy(do).float()
+
+    def loss(q_, k_, v_, r_):
+        return (api.sparse_gqa_attention(q_, k_, v_, r_, 0.3, backend="triton") * grad).sum()
+
+    explanation = torch._dynamo.explain(loss)(*_leaves(q, k, v), routes)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    leaves = _leaves(q, k, v)
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(*leaves, routes).backward()
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    for got, ref in zip([x.grad.numpy() for x in leaves], want[1:]):
+        assert relative_error(got, ref) < 1e-5
+    detached = [x.detach() for x in leaves]
+    torch.library.opcheck(torch.ops.qsa.triton_sparse_gqa_attention.default,
+                          (*leaves, routes, 0.3))
+    residuals = torch.ops.qsa.triton_sparse_gqa_attention.default(*detached, routes, 0.3)
+    torch.library.opcheck(torch.ops.qsa.triton_sparse_gqa_attention_backward.default,
+                          (grad, *detached, *residuals, 0.3))
