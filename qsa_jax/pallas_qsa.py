@@ -40,6 +40,10 @@ class BlockSizes:
     G_pad is the GQA group rounded up to a power of two (T = block_m // G_pad,
     at most 16 rows). ``block_k``: union IDs per step. ``*_bwd``: the same for
     the backward kernel. ``num_warps`` / ``num_stages``: Triton launch options.
+    ``flatten_heads``: when G is not a power of two, a program's M rows are
+    ``block_m`` consecutive (query row, head) pairs instead of T rows x G_pad heads,
+    so no matrix row is head padding (G=12 pads a quarter of every dot otherwise);
+    its rows span up to ``(block_m - 1) // G + 2`` query rows. Not yet timed on a GPU.
     """
 
     block_m: int = 128
@@ -50,12 +54,15 @@ class BlockSizes:
     block_k_bwd: int = 64
     num_warps_bwd: int = 8
     num_stages_bwd: int = 1
+    flatten_heads: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "block_m_bwd", "block_k_bwd"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {value}")
+        if not isinstance(self.flatten_heads, bool):
+            raise TypeError(f"BlockSizes.flatten_heads must be a bool, got {self.flatten_heads!r}")
 
     @classmethod
     def default(cls, head_dim: int, interpret: bool, dtype=jnp.bfloat16) -> "BlockSizes":
@@ -75,26 +82,34 @@ class BlockSizes:
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-    """Static sizes derived from the inputs and a (block_m, block_k) choice."""
+    """Static sizes derived from the inputs and a (block_m, block_k) choice.
+
+    Padded (default): a program's ``block_m`` rows are T query rows x G_pad heads.
+    Flat: they are ``block_m`` consecutive (query row, head) pairs of one KV head's
+    group (no head padding); ``rows`` then bounds how many query rows one program spans.
+    """
 
     group: int  # G = Hq // Hkv
-    group_pad: int  # G rounded up to a power of two
-    rows: int  # T: query rows per tile
+    group_pad: int  # padded: G rounded up to a power of two; flat: G
+    rows: int  # padded: T, query rows per tile; flat: most query rows one program spans
+    block_m: int
     head_dim_pad: int
     block_k: int
-
-    @property
-    def block_m(self) -> int:
-        return self.rows * self.group_pad
+    flat: bool = False
 
     @staticmethod
-    def make(group: int, head_dim: int, block_m: int, block_k: int) -> "_Geometry":
+    def make(group: int, head_dim: int, block_m: int, block_k: int, flat: bool = False) -> "_Geometry":
+        head_dim_pad = max(16, pl.next_power_of_2(head_dim))
         group_pad = pl.next_power_of_2(group)
+        if flat and group != group_pad:
+            span = lambda m: (m - 1) // group + 2  # noqa: E731 - rows that m pairs can touch
+            while block_m > 16 and span(block_m) > 16:
+                block_m //= 2
+            return _Geometry(group, group, span(block_m), block_m, head_dim_pad, block_k, True)
         rows = max(1, min(16, block_m // group_pad))
         if rows * group_pad < 16:  # dots need M >= 16
             rows = -(-16 // group_pad)
-        head_dim_pad = max(16, pl.next_power_of_2(head_dim))
-        return _Geometry(group, group_pad, rows, head_dim_pad, block_k)
+        return _Geometry(group, group_pad, rows, rows * group_pad, head_dim_pad, block_k)
 
 
 # ----------------------------------------------------------------- preprocessing
@@ -105,7 +120,7 @@ def tile_route_union(routes: jax.Array, rows: int, block_k: int):
         routes: ``[B, S_q, K]`` int32 routes; IDs < 0 are padding (call with
             IDs already clipped to ``[-1, S_kv)``, S_kv * rows < 2**31).
             Duplicates are allowed.
-        rows: T, query rows per tile (<= 16).
+        rows: T, query rows per tile (<= 32).
         block_k: the union width is padded to a multiple of this.
 
     Returns:
@@ -117,7 +132,38 @@ def tile_route_union(routes: jax.Array, rows: int, block_k: int):
     bsz, s_q, width = routes.shape
     n_tiles = -(-s_q // rows)
     r = jnp.pad(routes, ((0, 0), (0, n_tiles * rows - s_q), (0, 0)), constant_values=-1)
-    r = r.reshape(bsz, n_tiles, rows * width)
+    return _union_of_row_groups(r.reshape(bsz, n_tiles, rows * width), rows, width, block_k)
+
+
+def _flat_blocks(s_q: int, geo: _Geometry):
+    """Flat geometry: per program, its first query row and its row mask ``[n, rows]``."""
+    n_blocks = -(-s_q * geo.group // geo.block_m)
+    first_pair = jnp.arange(n_blocks, dtype=jnp.int32) * geo.block_m
+    first_row = first_pair // geo.group
+    last_row = jnp.minimum((first_pair + geo.block_m - 1) // geo.group, s_q - 1)
+    row = first_row[:, None] + jnp.arange(geo.rows, dtype=jnp.int32)[None, :]
+    return first_row, row, row <= last_row[:, None]
+
+
+def flat_route_union(routes: jax.Array, geo: _Geometry):
+    """:func:`tile_route_union` for a flat geometry: per program, the union of the
+    routes of the query rows its ``block_m`` (row, head) pairs touch; bit t of
+    ``rowbits`` is row ``first_row + t`` of the program."""
+    bsz, s_q, width = routes.shape
+    _, row, ok = _flat_blocks(s_q, geo)
+    r = jnp.where(ok[None, :, :, None], routes[:, jnp.minimum(row, s_q - 1), :], -1)
+    return _union_of_row_groups(r.reshape(bsz, row.shape[0], geo.rows * width), geo.rows, width,
+                                geo.block_k)
+
+
+def _route_union(routes: jax.Array, geo: _Geometry):
+    return flat_route_union(routes, geo) if geo.flat else tile_route_union(routes, geo.rows, geo.block_k)
+
+
+def _union_of_row_groups(r: jax.Array, rows: int, width: int, block_k: int):
+    """Union, row bits and count of each group ``r[b, g]`` of ``rows`` route rows
+    (``[B, n, rows * width]``, row t's routes at ``[t * width, (t + 1) * width)``)."""
+    bsz, n_tiles, _ = r.shape
     # One int32 sort key per (ID, row) pair: a single-operand sort (XLA can hand
     # it to a radix sort) instead of a two-key comparator sort.
     tok = jnp.broadcast_to(jnp.repeat(jnp.arange(rows, dtype=jnp.int32), width), r.shape)
@@ -147,8 +193,13 @@ def tile_route_union(routes: jax.Array, rows: int, block_k: int):
 
 
 def _arrange_queries(x: jax.Array, geo: _Geometry, kv_heads: int) -> jax.Array:
-    """``[B, S_q, Hq, D]`` -> ``[B, Hkv, n_tiles * T * G_pad, D_pad]`` (zero padded)."""
+    """``[B, S_q, Hq, D]`` -> ``[B, Hkv, n_tiles * block_m, D_pad]`` (zero padded)."""
     bsz, s_q, _, d = x.shape
+    if geo.flat:
+        x = x.reshape(bsz, s_q, kv_heads, geo.group, d).transpose(0, 2, 1, 3, 4)
+        x = x.reshape(bsz, kv_heads, s_q * geo.group, d)
+        total = -(-s_q * geo.group // geo.block_m) * geo.block_m
+        return jnp.pad(x, ((0, 0), (0, 0), (0, total - s_q * geo.group), (0, geo.head_dim_pad - d)))
     n_tiles = -(-s_q // geo.rows)
     x = jnp.pad(x, ((0, 0), (0, n_tiles * geo.rows - s_q), (0, 0), (0, geo.head_dim_pad - d)))
     x = x.reshape(bsz, n_tiles, geo.rows, kv_heads, geo.group, geo.head_dim_pad)
@@ -160,6 +211,9 @@ def _arrange_queries(x: jax.Array, geo: _Geometry, kv_heads: int) -> jax.Array:
 def _restore_queries(x: jax.Array, geo: _Geometry, s_q: int, head_dim: int) -> jax.Array:
     """Inverse of :func:`_arrange_queries`."""
     bsz, kv_heads, total, _ = x.shape
+    if geo.flat:
+        x = x[:, :, : s_q * geo.group, :head_dim].reshape(bsz, kv_heads, s_q, geo.group, head_dim)
+        return x.transpose(0, 2, 1, 3, 4).reshape(bsz, s_q, kv_heads * geo.group, head_dim)
     n_tiles = total // geo.block_m
     x = x.reshape(bsz, kv_heads, n_tiles, geo.rows, geo.group_pad, geo.head_dim_pad)
     x = x[:, :, :, :, : geo.group, :head_dim].transpose(0, 2, 3, 1, 4, 5)
@@ -176,6 +230,15 @@ def _dot(a, b, *, trans_b=False, trans_a=False):
     """fp32-accumulating dot; exact fp32 (no tf32) for fp32 operands."""
     allow_tf32 = False if a.dtype == jnp.float32 else None
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
+
+
+def _rows_of(geo: _Geometry) -> jax.Array:
+    """For each of the program's M rows, its query row's bit in ``rowbits``."""
+    m = jnp.arange(geo.block_m, dtype=jnp.int32)
+    if not geo.flat:
+        return m // geo.group_pad
+    first_pair = pl.program_id(0) * geo.block_m
+    return (first_pair + m) // geo.group - first_pair // geo.group
 
 
 def _chunk(union_ref, bits_ref, c, geo: _Geometry, rows_of: jax.Array):
@@ -197,7 +260,7 @@ def _gather(ref, ids, real, head_dim_pad):
 def _forward_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, o_ref, lse_ref, *,
                     scale: float, geo: _Geometry):
     m_rows = geo.block_m
-    rows_of = jnp.arange(m_rows, dtype=jnp.int32) // geo.group_pad
+    rows_of = _rows_of(geo)
     q = q_ref[...]
     n_chunks = pl.cdiv(count_ref[0], geo.block_k)
 
@@ -233,7 +296,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, union_ref,
                      scale: float, geo: _Geometry):
     del dk_in_ref, dv_in_ref  # aliased with dk_ref / dv_ref
     m_rows = geo.block_m
-    rows_of = jnp.arange(m_rows, dtype=jnp.int32) // geo.group_pad
+    rows_of = _rows_of(geo)
     cols = jnp.arange(geo.head_dim_pad)[None, :]
     q = q_ref[...]
     do = do_ref[...]
@@ -294,8 +357,8 @@ def _forward_call(q, k, v, union, bits, count, geo: _Geometry, scale, bs: BlockS
 
 def _forward(q, k, v, routes, scale, bs: BlockSizes, interpret):
     s_q, d = q.shape[1], q.shape[3]
-    geo = _Geometry.make(q.shape[2] // k.shape[2], d, bs.block_m, bs.block_k)
-    union, bits, count = tile_route_union(routes, geo.rows, geo.block_k)
+    geo = _Geometry.make(q.shape[2] // k.shape[2], d, bs.block_m, bs.block_k, bs.flatten_heads)
+    union, bits, count = _route_union(routes, geo)
     o_arr, lse = _forward_call(q, k, v, union, bits, count, geo, scale, bs, interpret)
     return _restore_queries(o_arr, geo, s_q, d), (o_arr, lse, geo)
 
@@ -334,14 +397,14 @@ def _backward_call(q, k, v, do, lse, delta, union, bits, count, geo: _Geometry, 
 def _backward(q, k, v, routes, o_arr_fwd, lse_fwd, geo_fwd, do, scale, bs: BlockSizes, interpret):
     s_q, hq, d = q.shape[1:]
     hkv = k.shape[2]
-    geo = _Geometry.make(hq // hkv, d, bs.block_m_bwd, bs.block_k_bwd)
+    geo = _Geometry.make(hq // hkv, d, bs.block_m_bwd, bs.block_k_bwd, bs.flatten_heads)
     # LSE and delta in the backward tile arrangement
     o = _restore_queries(o_arr_fwd, geo_fwd, s_q, d)
     lse_rows = _restore_queries(lse_fwd[..., None], dataclasses.replace(geo_fwd, head_dim_pad=1), s_q, 1)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
     as_rows = lambda x: _arrange_queries(x, dataclasses.replace(geo, head_dim_pad=1), hkv)[..., 0]  # noqa: E731
     lse, delta = as_rows(lse_rows), as_rows(delta)
-    union, bits, count = tile_route_union(routes, geo.rows, geo.block_k)
+    union, bits, count = _route_union(routes, geo)
     dq_arr, dk, dv = _backward_call(q, k, v, do, lse, delta, union, bits, count, geo, scale, bs,
                                     interpret)
     dq = _restore_queries(dq_arr, geo, s_q, d)
@@ -361,7 +424,8 @@ def _qsa_fwd(q, k, v, routes, scale, block_sizes, interpret):
 def _qsa_bwd(scale, block_sizes, interpret, residuals, do):
     q, k, v, routes, o_arr, lse = residuals
     geo_fwd = _Geometry.make(
-        q.shape[2] // k.shape[2], q.shape[3], block_sizes.block_m, block_sizes.block_k
+        q.shape[2] // k.shape[2], q.shape[3], block_sizes.block_m, block_sizes.block_k,
+        block_sizes.flatten_heads
     )
     dq, dk, dv = _backward(q, k, v, routes, o_arr, lse, geo_fwd, do, scale, block_sizes, interpret)
     return dq, dk, dv, None

@@ -9,7 +9,7 @@ from contract_base import TOLERANCE, BackendContract, UnroutedRowsIsolated, rand
 from runners import run_jax
 from qsa_common.generators import adversarial_routes
 from qsa_common.layouts import make_problem
-from qsa_common.oracle import oracle_forward_backward, relative_error
+from qsa_common.oracle import membership, oracle_forward_backward, relative_error
 
 
 def pallas(*args, **kw):
@@ -222,3 +222,49 @@ def test_gpu_default_block_sizes_in_interpret_mode(dtype):
     want = oracle_forward_backward(q, k, v, problem.routes, 0.0625, do)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert relative_error(g, w) < TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("heads", [(3, 1), (12, 1), (6, 2)])
+@pytest.mark.parametrize("layout, family", [("packed", "adversarial"), ("cp", "qsa")])
+def test_flattened_heads_against_the_oracle(heads, layout, family):
+    """flatten_heads=True: programs take consecutive (row, head) pairs, spanning query
+    rows across program boundaries; out and all gradients still match the oracle."""
+    from qsa_jax.pallas_qsa import BlockSizes
+
+    rng = np.random.default_rng()
+    problem = make_problem(layout, family, seed=int(rng.integers(2**31)), seq_len=26,
+                           **(dict(top_k=3) if family == "qsa" else dict(width=7)))
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, heads, 16, "float32")
+    bs = BlockSizes(block_m=32, block_k=16, block_m_bwd=16, block_k_bwd=16, flatten_heads=True)
+    got = run_jax(lambda *a: pallas(*a, block_sizes=bs), q, k, v, problem.routes, 0.3, do, "float32")
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert relative_error(g, w) < 1e-5, name
+    empty = ~membership(problem.routes, problem.kv_length).any(-1)
+    assert np.all(got[0][empty] == 0) and np.all(got[1][empty] == 0)
+
+
+def test_flat_route_union_matches_brute_force():
+    import jax.numpy as jnp
+
+    from qsa_jax.pallas_qsa import _Geometry, flat_route_union
+
+    rng = np.random.default_rng()
+    s_q, kv_length, group = 23, 30, 12
+    routes = rng.integers(-3, kv_length + 3, size=(2, s_q, 5))
+    routes[0, 4, 1] = routes[0, 4, 0]  # a repeated ID in a row
+    clipped = np.where((routes >= 0) & (routes < kv_length), routes, -1).astype(np.int32)
+    geo = _Geometry.make(group, 16, 32, 16, flat=True)
+    assert geo.flat and geo.block_m == 32 and geo.rows == 4
+    union, bits, count = (np.asarray(x) for x in flat_route_union(jnp.asarray(clipped), geo))
+    n_blocks = -(-s_q * group // 32)
+    assert union.shape[:2] == (2, n_blocks)
+    for b in range(2):
+        for p in range(n_blocks):
+            first, last = 32 * p // group, min((32 * p + 31) // group, s_q - 1)
+            rows = clipped[b, first:last + 1]
+            ids = np.unique(rows[rows >= 0])
+            n = int(count[b, p, 0])
+            assert union[b, p, :n].tolist() == ids.tolist() and np.all(union[b, p, n:] == -1)
+            want = [sum(1 << t for t in range(len(rows)) if x in rows[t]) for x in ids]
+            assert bits[b, p, :n].tolist() == want

@@ -105,7 +105,7 @@ def timing(results, sizes, configs):
     import jax.numpy as jnp
 
     from qsa_common.generators import qsa_format_routes
-    from qsa_jax.pallas_qsa import BlockSizes, pallas_sparse_gqa_attention, tile_route_union
+    from qsa_jax.pallas_qsa import BlockSizes, _Geometry, _route_union, pallas_sparse_gqa_attention
 
     hq, hkv, d = 24, 2, 256
     for s in sizes:
@@ -141,7 +141,8 @@ def timing(results, sizes, configs):
         for label, cfg in configs:
             try:
                 bs = BlockSizes(**cfg)
-                pre = jax.jit(lambda r, bs=bs: tile_route_union(r, max(1, min(16, bs.block_m // 16)), bs.block_k))
+                geo = _Geometry.make(hq // hkv, d, bs.block_m, bs.block_k, bs.flatten_heads)
+                pre = jax.jit(lambda r, geo=geo: _route_union(r, geo))
                 fn = lambda a, b_, c, r, bs=bs: pallas_sparse_gqa_attention(a, b_, c, r, 1 / 16, block_sizes=bs)
                 entry = dict(config=cfg)
                 entry["union_ms"] = timed(pre, routes)
@@ -170,6 +171,7 @@ CONFIGS = {
     "bwd_m64k64": dict(block_k_bwd=64),
     "w4": dict(num_warps=4, num_warps_bwd=4),
     "s3": dict(num_stages=3),
+    "flat": dict(flatten_heads=True),
 }
 
 

@@ -157,21 +157,21 @@ def jax_part(routes_np, s, n_routes):
 
     def fwd(**kw):
         bs = dataclasses.replace(pq.BlockSizes.default(d, False), **kw)
-        geo = pq._Geometry.make(hq // hkv, d, bs.block_m, bs.block_k)
-        union, bits, count = jax.jit(lambda r: pq.tile_route_union(r, geo.rows, geo.block_k))(routes)
+        geo = pq._Geometry.make(hq // hkv, d, bs.block_m, bs.block_k, bs.flatten_heads)
+        union, bits, count = jax.jit(lambda r: pq._route_union(r, geo))(routes)
         call = jax.jit(lambda a, b, c, u, bt, ct: pq._forward_call(a, b, c, u, bt, ct, geo, 1 / 16, bs, False))
         o_arr, lse = call(q, k, v, union, bits, count)
         state["fwd"] = (o_arr, lse, geo)
         ms = timed(call, q, k, v, union, bits, count)
         return dict(ms=ms, useful_tflops=flops / ms / 1e9)
 
-    for name, kw in (("default", {}),):
+    for name, kw in (("default", {}), ("flat", dict(flatten_heads=True))):
         record("jax_fwd_kernel", name, lambda kw=kw: fwd(**kw))
 
     def bwd(no_atomics=False, **kw):
         bs = dataclasses.replace(pq.BlockSizes.default(d, False), **kw)
-        geo = pq._Geometry.make(hq // hkv, d, bs.block_m_bwd, bs.block_k_bwd)
-        union, bits, count = jax.jit(lambda r: pq.tile_route_union(r, geo.rows, geo.block_k))(routes)
+        geo = pq._Geometry.make(hq // hkv, d, bs.block_m_bwd, bs.block_k_bwd, bs.flatten_heads)
+        union, bits, count = jax.jit(lambda r: pq._route_union(r, geo))(routes)
         n_rows = union.shape[1] * geo.block_m
         lse = jnp.zeros((1, hkv, n_rows), jnp.float32)
         delta = jnp.zeros((1, hkv, n_rows), jnp.float32)
@@ -187,8 +187,8 @@ def jax_part(routes_np, s, n_routes):
         ms = timed(call, q, k, v, do, lse, delta, union, bits, count)
         return dict(ms=ms, useful_tflops=2.5 * flops / ms / 1e9, T=geo.rows)
 
-    for name, kw in (("default", {}), ("k32", dict(block_k_bwd=32)), ("m32", dict(block_m_bwd=32)),
-                     ("s2", dict(num_stages_bwd=2))):
+    for name, kw in (("default", {}), ("flat", dict(flatten_heads=True)),
+                     ("k32", dict(block_k_bwd=32)), ("s2", dict(num_stages_bwd=2))):
         record("jax_bwd_kernel", name, lambda kw=kw: bwd(**kw))
 
 
