@@ -75,18 +75,30 @@ def _load_count(COUNT, index):
 
 
 @triton.jit
-def _tile_coordinates(S_q, HKV, G, HB: tl.constexpr, T: tl.constexpr, D, D_PAD: tl.constexpr, N_CHUNKS):
-    """Program -> tile, batch, KV head, and per matrix row m = t * HB + j: the tile row t,
-    the query row and head (int64, clamped to 0 where invalid) and their validity."""
+def _tile_coordinates(S_q, HKV, G, HB: tl.constexpr, T: tl.constexpr, D, D_PAD: tl.constexpr, N_CHUNKS,
+                      FLAT: tl.constexpr):
+    """Program -> tile, batch, KV head, and per matrix row m: its bit t in ``rowbits``,
+    the query row and head (int64, clamped to 0 where invalid) and their validity.
+
+    Padded tiles (m = t * HB + j): T rows of one batch row, heads ``chunk * HB + j``.
+    Flat (FLAT, T = 1, N_CHUNKS = 1): program p's rows are the (row, head) pairs
+    ``p * HB + m`` of one KV head's group, in row-major order, and t counts query rows
+    from the program's first one."""
     tile = tl.program_id(0)
     pid = tl.program_id(1)
     chunk = pid % N_CHUNKS
     b = pid // N_CHUNKS // HKV
     g = pid // N_CHUNKS % HKV
     m = tl.arange(0, T * HB)
-    t = m // HB
-    local_head = chunk * HB + (m % HB)
-    row = tile * T + t
+    if FLAT:
+        pair = tile * (T * HB) + m
+        row = pair // G
+        local_head = pair % G
+        t = row - (tile * (T * HB)) // G
+    else:
+        t = m // HB
+        local_head = chunk * HB + (m % HB)
+        row = tile * T + t
     row_ok = (row < S_q) & (local_head < G)
     head = tl.where(row_ok, g * G + local_head, 0).to(tl.int64)
     row64 = tl.where(row_ok, row, 0).to(tl.int64)
@@ -170,7 +182,7 @@ def qsa_forward_kernel(
     S_q, N_TILES, UNION_WIDTH, HKV, G, D, scale_log2,
     N_CHUNKS,
     T: tl.constexpr, HB: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRET: tl.constexpr, FLAT: tl.constexpr = False,
 ):
     """Forward of one (tile, batch * KV head * head chunk) program.
 
@@ -178,7 +190,7 @@ def qsa_forward_kernel(
     +inf for rows without routes) of the program's valid (row, head) pairs.
     """
     tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask = _tile_coordinates(
-        S_q, HKV, G, HB, T, D, D_PAD, N_CHUNKS)
+        S_q, HKV, G, HB, T, D, D_PAD, N_CHUNKS, FLAT)
 
     q_ptr = Q + b64 * sq_b + row64[:, None] * sq_s + head[:, None] * sq_h + d[None, :] * sq_d
     q = tl.load(q_ptr, mask=io_mask, other=0.0)
@@ -227,6 +239,7 @@ def qsa_backward_kernel(
     N_CHUNKS,
     T: tl.constexpr, HB: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, INTERPRET: tl.constexpr, SKIP_DKDV: tl.constexpr = False,
+    FLAT: tl.constexpr = False,
 ):
     """Fused backward of one program: dQ in registers (written once), dK/dV by atomics.
 
@@ -236,7 +249,7 @@ def qsa_backward_kernel(
     distinct, so a chunk never adds to one address twice).
     """
     tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask = _tile_coordinates(
-        S_q, HKV, G, HB, T, D, D_PAD, N_CHUNKS)
+        S_q, HKV, G, HB, T, D, D_PAD, N_CHUNKS, FLAT)
 
     q = tl.load(Q + b64 * sq_b + row64[:, None] * sq_s + head[:, None] * sq_h + d[None, :] * sq_d,
                 mask=io_mask, other=0.0)

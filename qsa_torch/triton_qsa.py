@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZES",
     "SAFE_BLOCK_SIZES",
     "TileUnions",
+    "build_flat_unions",
     "build_tile_unions",
     "default_block_sizes",
     "triton_sparse_gqa_attention",
@@ -51,6 +52,10 @@ class BlockSizes:
     ``block_k``: union IDs gathered per step. ``backward_block_m`` may be smaller than
     the forward's T * G_pad: the backward then splits each tile's heads over several
     programs (same T, same unions). All block sizes are powers of two >= 16.
+    ``flatten_heads``: when G is not a power of two, every program (forward and
+    backward) takes ``block_m`` consecutive (query row, head) pairs instead of T rows x
+    G_pad heads, so no matrix row is head padding; a program then spans up to
+    ``(block_m - 1) // G + 2`` query rows. Not yet timed on a GPU.
     """
 
     block_m: int = 128
@@ -61,6 +66,7 @@ class BlockSizes:
     backward_block_k: int = 32
     backward_num_warps: int = 8
     backward_num_stages: int = 1
+    flatten_heads: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "backward_block_m", "backward_block_k"):
@@ -71,6 +77,8 @@ class BlockSizes:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.flatten_heads, bool):
+            raise TypeError(f"BlockSizes.flatten_heads must be a bool, got {self.flatten_heads!r}")
 
 
 # H200 at D = 256, S = 32768, (24,2), QSA routes (docs/benchmarks.md, probe of
@@ -102,23 +110,36 @@ def _next_pow2(n: int) -> int:
 class _Plan:
     """Static shape decisions of one call (all Python ints)."""
 
-    rows_per_tile: int  # T
+    rows_per_tile: int  # T (flat: a power of two bounding the rows one program spans)
     group: int  # G = Hq // Hkv
-    fwd_heads: int  # HB of the forward programs
-    bwd_heads: int  # HB of the backward programs
+    fwd_heads: int  # HB of the forward programs (flat: the pairs per program)
+    bwd_heads: int  # HB of the backward programs (flat: the same)
     head_dim_pad: int  # D_PAD
     blocks: BlockSizes
+    flat: bool = False
+
+    def n_tiles(self, s_q: int) -> int:
+        if self.flat:
+            return -(-s_q * self.group // self.fwd_heads)
+        return -(-s_q // self.rows_per_tile)
 
 
 def _make_plan(group: int, head_dim: int, blocks: BlockSizes) -> _Plan:
     g_pad = _next_pow2(group)
+    head_dim_pad = max(16, _next_pow2(head_dim))
+    if blocks.flatten_heads and group != g_pad:
+        pairs = blocks.block_m
+        while pairs > 16 and (pairs - 1) // group + 2 > _MAX_ROWS_PER_TILE:
+            pairs //= 2
+        span = _next_pow2((pairs - 1) // group + 2)
+        return _Plan(span, group, pairs, pairs, head_dim_pad, blocks, flat=True)
     heads = min(g_pad, blocks.block_m)
     rows = max(1, min(_MAX_ROWS_PER_TILE, blocks.block_m // heads))
     # every dot needs M >= 16: a small group simply gets more rows per tile
     bwd_heads = max(1, min(heads, blocks.backward_block_m // rows))
     while rows * bwd_heads < 16:
         bwd_heads *= 2
-    return _Plan(rows, group, heads, bwd_heads, max(16, _next_pow2(head_dim)), blocks)
+    return _Plan(rows, group, heads, bwd_heads, head_dim_pad, blocks)
 
 
 @dataclass(frozen=True)
@@ -148,6 +169,39 @@ def build_tile_unions(routes: torch.Tensor, kv_length: int, rows_per_tile: int) 
     ``id * T + t`` per tile gives the union in order and, for every key, the union
     slot of its ID.
     """
+    _check_union_arguments(routes, kv_length, rows_per_tile)
+    bsz, s_q, k = routes.shape
+    t = rows_per_tile
+    n_tiles = -(-s_q // t)
+    if n_tiles * t != s_q:  # empty rows (IDs -1) complete the last tile
+        filler = torch.full((bsz, n_tiles * t - s_q, k), -1, dtype=routes.dtype, device=routes.device)
+        routes = torch.cat([routes, filler], dim=1)
+    return _unions_of_row_groups(routes.reshape(bsz, n_tiles, t, k), kv_length)
+
+
+def build_flat_unions(routes: torch.Tensor, kv_length: int, plan: _Plan) -> TileUnions:
+    """:func:`build_tile_unions` for a flat plan (``BlockSizes.flatten_heads``): per
+    program, the union of the routes of the query rows its (row, head) pairs touch;
+    bit t of ``rowbits`` is the program's t-th query row."""
+    _check_union_arguments(routes, kv_length, plan.rows_per_tile)
+    bsz, s_q, k = routes.shape
+    n_blocks = plan.n_tiles(s_q)
+    first_pair = torch.arange(n_blocks, device=routes.device) * plan.fwd_heads
+    last_row = torch.clamp((first_pair + plan.fwd_heads - 1) // plan.group, max=s_q - 1)
+    rows = (first_pair // plan.group)[:, None] + torch.arange(plan.rows_per_tile, device=routes.device)
+    grouped = routes[:, torch.clamp(rows, max=s_q - 1)]  # [B, n_blocks, T, K]
+    outside = (rows > last_row[:, None])[None, :, :, None]
+    grouped = torch.where(outside, torch.full((), -1, dtype=routes.dtype, device=routes.device), grouped)
+    return _unions_of_row_groups(grouped, kv_length)
+
+
+def _unions_for(routes: torch.Tensor, kv_length: int, plan: _Plan) -> TileUnions:
+    if plan.flat:
+        return build_flat_unions(routes, kv_length, plan)
+    return build_tile_unions(routes, kv_length, plan.rows_per_tile)
+
+
+def _check_union_arguments(routes: torch.Tensor, kv_length: int, rows_per_tile: int) -> None:
     validate_routes(routes)
     if routes.dim() != 3:
         raise ValueError(f"routes must have rank 3 [B, S_q, K], got shape {tuple(routes.shape)}")
@@ -155,21 +209,20 @@ def build_tile_unions(routes: torch.Tensor, kv_length: int, rows_per_tile: int) 
         raise ValueError(f"kv_length must be in [1, 2**31), got {kv_length}")
     if rows_per_tile < 1 or rows_per_tile > _MAX_ROWS_PER_TILE or rows_per_tile & (rows_per_tile - 1):
         raise ValueError(f"rows_per_tile must be a power of two in [1, 32], got {rows_per_tile}")
-    bsz, s_q, k = routes.shape
-    t = rows_per_tile
-    n_tiles = -(-s_q // t)
-    device = routes.device
+
+
+def _unions_of_row_groups(grouped: torch.Tensor, kv_length: int) -> TileUnions:
+    """Unions of ``grouped`` ``[B, n, T, K]`` route rows (T a power of two <= 32)."""
+    bsz, n_tiles, t, k = grouped.shape
+    device = grouped.device
     # compare in the input dtype: casting huge int64 to int32 first would wrap
-    valid = (routes >= 0) & (routes < kv_length)
+    valid = (grouped >= 0) & (grouped < kv_length)
     key_dtype = torch.int32 if kv_length * t < 2**31 - 1 else torch.int64
     sentinel = torch.iinfo(key_dtype).max
     shift = t.bit_length() - 1
-    ids = torch.where(valid, routes, torch.zeros((), dtype=routes.dtype, device=device)).to(key_dtype)
-    rows = (torch.arange(s_q, device=device, dtype=key_dtype) % t).view(1, s_q, 1)
+    ids = torch.where(valid, grouped, torch.zeros((), dtype=grouped.dtype, device=device)).to(key_dtype)
+    rows = torch.arange(t, device=device, dtype=key_dtype).view(1, 1, t, 1)
     keys = torch.where(valid, (ids << shift) + rows, torch.full((), sentinel, dtype=key_dtype, device=device))
-    if n_tiles * t != s_q:  # not F.pad: its float fill value cannot hold an int64 sentinel
-        filler = torch.full((bsz, n_tiles * t - s_q, k), sentinel, dtype=key_dtype, device=device)
-        keys = torch.cat([keys, filler], dim=1)
     keys = torch.sort(keys.reshape(bsz, n_tiles, t * k), dim=-1).values
     valid = keys != sentinel
     ids = (keys >> shift).to(torch.int32)
@@ -227,26 +280,30 @@ def _launch(kernel, tail_args, constexprs: dict, unions: TileUnions, batch_kv_he
     working choice is remembered, so a failing compile is not repeated.
     """
     rows = constexprs["T"]
+    flat = constexprs.get("FLAT", False)
     key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), heads, block_k, num_warps,
            num_stages, str(device))
     if key in _LAUNCH_FALLBACKS:
         attempts = [_LAUNCH_FALLBACKS[key]]
     else:
-        head_options = [h for h in (heads, heads // 2, heads // 4) if h >= 1 and rows * h >= 16]
+        # flat programs own fixed pair ranges (the unions depend on them): no fewer heads
+        head_options = [heads] if flat else [
+            h for h in (heads, heads // 2, heads // 4) if h >= 1 and rows * h >= 16]
         chunk_options = [(block_k, num_stages), (block_k, 1)]
         chunk_options += [(bk, 1) for bk in (block_k // 2, block_k // 4) if bk >= 16]
         attempts = list(dict.fromkeys((h, bk, st) for h in head_options for bk, st in chunk_options))
     n_tiles = unions.union.shape[1]
     # batch * KV heads * head chunks go on CUDA grid axis y
-    fitting = [a for a in attempts if batch_kv_heads * -(-group // a[0]) <= _MAX_GRID_Y]
+    chunks_of = (lambda hb: 1) if flat else (lambda hb: -(-group // hb))  # noqa: E731
+    fitting = [a for a in attempts if batch_kv_heads * chunks_of(a[0]) <= _MAX_GRID_Y]
     if not fitting:
-        needed = batch_kv_heads * -(-group // attempts[0][0])
+        needed = batch_kv_heads * chunks_of(attempts[0][0])
         raise ValueError(
             f"triton_qsa launches batch * kv_heads * head chunks = {needed} programs along "
             f"CUDA grid axis y, more than its limit {_MAX_GRID_Y}: split the batch")
     attempts = fitting
     for i, (hb, bk, stages) in enumerate(attempts):
-        chunks = -(-group // hb)
+        chunks = chunks_of(hb)
         try:
             kernel[(n_tiles, batch_kv_heads * chunks)](
                 *tail_args, chunks, **constexprs, HB=hb, BLOCK_K=bk, num_warps=num_warps,
@@ -272,8 +329,8 @@ def _forward(q, k, v, unions: TileUnions, scale: float, plan: _Plan):
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         s_q, n_tiles, width, hkv, plan.group, d, scale * kernels.LOG2E,
     )
-    constexprs = dict(T=plan.rows_per_tile, D_PAD=plan.head_dim_pad,
-                      IEEE=interpreted or q.dtype == torch.float32, INTERPRET=interpreted)
+    constexprs = dict(T=1 if plan.flat else plan.rows_per_tile, D_PAD=plan.head_dim_pad,
+                      IEEE=interpreted or q.dtype == torch.float32, INTERPRET=interpreted, FLAT=plan.flat)
     b = plan.blocks
     _launch(kernels.qsa_forward_kernel, args, constexprs, unions, bsz * hkv, plan.group,
             plan.fwd_heads, b.block_k, b.num_warps, b.num_stages, q.device)
@@ -297,9 +354,9 @@ def _backward(q, k, v, out, lse, grad_out, unions: TileUnions, scale: float, pla
         *lse.stride(), *dq.stride(), *dk.stride()[:3],
         s_q, n_tiles, width, hkv, plan.group, d, scale, scale * kernels.LOG2E,
     )
-    constexprs = dict(T=plan.rows_per_tile, D_PAD=plan.head_dim_pad,
+    constexprs = dict(T=1 if plan.flat else plan.rows_per_tile, D_PAD=plan.head_dim_pad,
                       IEEE=interpreted or q.dtype == torch.float32, INTERPRET=interpreted,
-                      SKIP_DKDV=skip_dkdv)
+                      SKIP_DKDV=skip_dkdv, FLAT=plan.flat)
     b = plan.blocks
     _launch(kernels.qsa_backward_kernel, args, constexprs, unions, bsz * hkv, plan.group,
             plan.bwd_heads, b.backward_block_k, b.backward_num_warps, b.backward_num_stages,
@@ -361,7 +418,7 @@ def triton_sparse_gqa_attention(
     """
     checked, plan = _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes)
     check_deterministic_backward("triton_qsa", query, key, value)
-    unions = build_tile_unions(selected_token_ids, checked.dims.kv_length, plan.rows_per_tile)
+    unions = _unions_for(selected_token_ids, checked.dims.kv_length, plan)
     return _TritonQSA.apply(query, key, value, unions.union, unions.count, unions.rowbits,
                             checked.scale, plan)
 
@@ -397,7 +454,7 @@ def forward_with_residuals(query, key, value, selected_token_ids, softmax_scale:
     """``(out, lse, union, count, rowbits)``: the output and the residuals of
     :func:`backward_from_residuals` (shapes: :func:`residual_shapes`). No autograd."""
     checked, plan = _setup(query, key, value, selected_token_ids, softmax_scale)
-    unions = build_tile_unions(selected_token_ids, checked.dims.kv_length, plan.rows_per_tile)
+    unions = _unions_for(selected_token_ids, checked.dims.kv_length, plan)
     out, lse = _forward(query, key, value, unions, checked.scale, plan)
     return out, lse, unions.union, unions.count, unions.rowbits
 
@@ -405,9 +462,9 @@ def forward_with_residuals(query, key, value, selected_token_ids, softmax_scale:
 def residual_shapes(query, key, selected_token_ids) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of :func:`forward_with_residuals`'s results, from metadata only."""
     bsz, s_q, hq, _ = query.shape
-    t = _default_plan(query, key).rows_per_tile
-    n_tiles = -(-s_q // t)
-    width = min(t * selected_token_ids.shape[2], key.shape[1])
+    plan = _default_plan(query, key)
+    n_tiles = plan.n_tiles(s_q)
+    width = min(plan.rows_per_tile * selected_token_ids.shape[2], key.shape[1])
     return [(tuple(query.shape), query.dtype), ((bsz, hq, s_q), torch.float32),
             ((bsz, n_tiles, width), torch.int32), ((bsz, n_tiles), torch.int32),
             ((bsz, n_tiles, width), torch.int32)]

@@ -11,6 +11,7 @@ in Python.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -371,3 +372,40 @@ def test_tile_unions_validate_their_inputs():
         build_tile_unions(routes[0], 8, 4)
     with pytest.raises(ValueError):
         build_tile_unions(routes, 8, 3)
+
+
+@pytest.mark.parametrize("heads", [(3, 1), (12, 1), (6, 2)])
+@pytest.mark.parametrize("layout, family", [("packed", "adversarial"), ("cp", "qsa")])
+def test_flattened_heads_against_the_oracle(heads, layout, family):
+    """flatten_heads=True: a program's rows are consecutive (row, head) pairs, so its
+    query rows straddle program boundaries; out and all gradients match the oracle and
+    empty rows stay exact zeros."""
+    rng = _fresh_rng()
+    problem = make_problem(layout, family, seed=int(rng.integers(2**31)), seq_len=26,
+                           **(dict(top_k=3) if family == "qsa" else dict(width=7)))
+    blocks = dataclasses.replace(SMALL, block_m=32, flatten_heads=True)
+    plan = triton_qsa._make_plan(heads[0] // heads[1], 16, blocks)
+    assert plan.flat and plan.fwd_heads == 32
+    got = _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks, rng, 0.3)
+    empty = ~membership(problem.routes, problem.kv_length).any(-1)
+    assert np.all(got[0][empty] == 0) and np.all(got[1][empty] == 0)
+
+
+def test_flat_unions_match_brute_force():
+    rng = _fresh_rng()
+    s_q, kv_length, group = 23, 30, 12
+    routes = rng.integers(-3, kv_length + 3, size=(2, s_q, 5))
+    routes[0, 4, 1] = routes[0, 4, 0]  # a repeated ID in a row
+    plan = triton_qsa._make_plan(group, 16, BlockSizes(block_m=32, flatten_heads=True))
+    unions = triton_qsa.build_flat_unions(torch.from_numpy(routes), kv_length, plan)
+    n_blocks = -(-s_q * group // 32)
+    assert unions.union.shape[:2] == (2, n_blocks) and unions.rows_per_tile == 4
+    for b in range(2):
+        for p in range(n_blocks):
+            first, last = 32 * p // group, min((32 * p + 31) // group, s_q - 1)
+            rows = routes[b, first:last + 1]
+            ids = np.unique(rows[(rows >= 0) & (rows < kv_length)])
+            n = int(unions.count[b, p])
+            assert unions.union[b, p, :n].tolist() == ids.tolist()
+            want = [sum(1 << t for t in range(len(rows)) if x in rows[t]) for x in ids]
+            assert unions.rowbits[b, p, :n].tolist() == want

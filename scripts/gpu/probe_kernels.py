@@ -85,7 +85,7 @@ def torch_part(routes_np, s, n_routes):
         return dict(fwd_ms=fwd, bwd_ms=bwd, fwdbwd_ms=fwd + bwd)
 
     record("torch", "sdpa_dense", sdpa)
-    for t in (8, 16, 32):
+    for t in (8,):
         def union(t=t):
             u = tq.build_tile_unions(routes, s, t)
             mean_u = float(u.count.float().mean())
@@ -101,27 +101,29 @@ def torch_part(routes_np, s, n_routes):
 
     def fwd(**kw):
         plan = plan_for(**kw)
-        unions = tq.build_tile_unions(routes, s, plan.rows_per_tile)
+        unions = tq._unions_for(routes, s, plan)
         out, lse = tq._forward(q, k, v, unions, 1 / 16, plan)
-        fwd_cache[plan.rows_per_tile] = (unions, out, lse)
+        fwd_cache[plan.flat, plan.rows_per_tile] = (unions, out, lse)
         ms = bench(lambda: tq._forward(q, k, v, unions, 1 / 16, plan))
-        return dict(ms=ms, useful_tflops=flops / ms / 1e9, T=plan.rows_per_tile, HB=plan.fwd_heads)
+        return dict(ms=ms, useful_tflops=flops / ms / 1e9, T=plan.rows_per_tile, HB=plan.fwd_heads,
+                    union_ms=bench(lambda: tq._unions_for(routes, s, plan)))
 
-    for name, kw in (("default", {}),):
+    for name, kw in (("default", {}), ("flat", dict(flatten_heads=True))):
         record("torch_fwd_kernel", name, lambda kw=kw: fwd(**kw))
 
     def bwd(skip=False, **kw):
         plan = plan_for(**kw)
-        if plan.rows_per_tile not in fwd_cache:
+        if (plan.flat, plan.rows_per_tile) not in fwd_cache:
             fwd(**kw)
-        unions, out, lse = fwd_cache[plan.rows_per_tile]
+        unions, out, lse = fwd_cache[plan.flat, plan.rows_per_tile]
         run = lambda: tq._backward(q, k, v, out, lse, do, unions, 1 / 16, plan, skip_dkdv=skip)  # noqa: E731
         ms = bench(run)
         return dict(ms=ms, useful_tflops=2.5 * flops / ms / 1e9, T=plan.rows_per_tile, HB=plan.bwd_heads)
 
     for name, kw in (("default", {}), ("default_no_atomic_traffic", dict(skip=True)),
+                     ("flat", dict(flatten_heads=True)),
+                     ("flat_no_atomic_traffic", dict(flatten_heads=True, skip=True)),
                      ("hb8_s1", dict(backward_block_m=64, backward_num_stages=1)),
-                     ("hb8_s1_no_atomic_traffic", dict(backward_block_m=64, backward_num_stages=1, skip=True)),
                      ("k64", dict(backward_block_k=64))):
         record("torch_bwd_kernel", name, lambda kw=kw: bwd(**kw))
 
