@@ -163,7 +163,7 @@ def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
         # so no atomic reaches memory. The condition is on a stride argument, whose sign
         # the compiler cannot know (``count < 0`` could be folded inside the loop over
         # count, and the dK/dV dots dropped with it).
-        kv_mask = kv_mask & (sdk_s < 0)
+        kv_mask = kv_mask & (tl.full([BLOCK_K], sdk_s, tl.int64) < 0)[:, None]
     # rows past count carry zeros and are masked: they add nothing
     acc_off = ids64[:, None] * sdk_s + d[None, :]
     tl.atomic_add(dv_base + acc_off, dv_blk, mask=kv_mask, sem="relaxed")
