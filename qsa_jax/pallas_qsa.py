@@ -476,6 +476,10 @@ def pallas_sparse_gqa_attention(
         raise NotImplementedError(
             f"the Pallas kernels need S_kv < 2**27, got {checked.dims.kv_length} (int32 sort keys)"
         )
+    if block_sizes is not None and block_sizes.flatten_heads:
+        pairs = checked.dims.query_length * checked.dims.group_size
+        if pairs + 2 * max(block_sizes.block_m, block_sizes.block_m_bwd) >= 2**31:
+            raise NotImplementedError(f"flatten_heads indexes (row, head) pairs in int32: S_q * G = {pairs}")
     if interpret is None:
         interpret = not on_gpu(query)
     if block_sizes is None:

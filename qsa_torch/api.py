@@ -23,9 +23,10 @@ so forward+backward costs what the backend's own autograd costs. Every other
 backend goes through ``qsa::sparse_gqa_attention``, which saves only its inputs:
 its backward op runs the chosen backend's forward again under autograd and asks
 torch for the gradients (two forwards plus one backward; memory between the passes
-is only the inputs). In eager mode a Triton call under ``"auto"`` that raises
-NotImplementedError or runs out of memory falls back to the other op and the next
-backend; under ``torch.compile`` such errors propagate.
+is only the inputs). In eager mode a Triton forward under ``"auto"`` that raises
+ImportError or NotImplementedError or runs out of memory falls back to the other op
+and the next backend (forward and backward both skip Triton then); under
+``torch.compile``, and in the Triton pair's backward, such errors propagate.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .routes import ProblemDims, check_deterministic_backward, validate_inputs
+from .routes import ProblemDims, refuse_nondeterministic_backward, validate_inputs
 
 __all__ = [
     "BACKENDS",
@@ -65,6 +66,9 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
 }
 
 ROUTE_FORMATS = ("any", "qsa")
+# internal backend value of the generic op: "auto" without the listed backends (the
+# Triton pair failed in eager mode; forward and backward then both skip it)
+_AUTO_EXCLUDING = "auto-excluding:"
 
 
 @dataclass(frozen=True)
@@ -211,11 +215,14 @@ def _run(
     statically unsupported backends are skipped, and a backend raising
     ImportError / NotImplementedError / torch.OutOfMemoryError is logged and skipped.
     """
-    if backend != "auto":
+    if backend != "auto" and not backend.startswith(_AUTO_EXCLUDING):
         return body(_load(backend))
+    excluded = set(backend[len(_AUTO_EXCLUDING):].split(",")) if backend != "auto" else set()
     dims = ProblemDims(query.shape[0], query.shape[1], key.shape[1], query.shape[2],
                        key.shape[2], query.shape[3], routes.shape[2])
     for name in candidate_backends(query.device):
+        if name in excluded:
+            continue
         reason = unsupported_reason(name, dims, query.device, query.dtype,
                                     needs_grad=needs_grad, route_format=route_format)
         if reason is not None:
@@ -370,6 +377,9 @@ def _triton_backward_fake(grad_out, query, key, value, out, lse, union, count, r
 
 def _triton_setup_context(ctx, inputs, output):
     query, key, value, _routes, scale = inputs
+    # here rather than before the op: runs only when autograd records the op, and under
+    # torch.compile as AOTAutograd's plain Python (dynamo cannot trace the warn-only query)
+    refuse_nondeterministic_backward("triton_qsa")
     out, lse, union, count, rowbits = output
     ctx.mark_non_differentiable(lse, union, count, rowbits)
     ctx.save_for_backward(query, key, value, out, lse, union, count, rowbits)
@@ -449,13 +459,18 @@ def sparse_gqa_attention(
              d.routes_per_query)
     if backend == "triton" or (backend == "auto" and _first_supported(
             query.device, query.dtype, sizes, needs_grad, route_format) == "triton"):
-        check_deterministic_backward("triton_qsa", query, key, value)
         if backend != "auto" or torch.compiler.is_compiling():
             return _triton_forward_op(query, key, value, selected_token_ids, checked.scale)[0]
         try:
-            return _triton_forward_op(query, key, value, selected_token_ids, checked.scale)[0]
-        except (NotImplementedError, torch.OutOfMemoryError) as err:
+            out = _triton_forward_op(query, key, value, selected_token_ids, checked.scale)[0]
+        except (ImportError, NotImplementedError, torch.OutOfMemoryError) as err:
+            if isinstance(err, ImportError):  # a missing runtime stays missing: do not retry
+                _BROKEN["triton"] = f"its runtime failed to import: {err}"
             _log(f"sparse_gqa_attention: backend 'triton' failed ({type(err).__name__}: {err}); "
                  "falling back", logging.WARNING)
+            backend = _AUTO_EXCLUDING + "triton"
+        else:
+            logger.debug("sparse_gqa_attention: ran backend %r", "triton")
+            return out
     return _forward_op(query, key, value, selected_token_ids, checked.scale, backend, needs_grad,
                        route_format)

@@ -105,6 +105,13 @@ def check_deterministic_backward(backend: str, *tensors: torch.Tensor) -> None:
         return
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return
+    refuse_nondeterministic_backward(backend)
+
+
+def refuse_nondeterministic_backward(backend: str) -> None:
+    """:func:`check_deterministic_backward` once a backward is known to be needed."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
     message = (
         f"the {backend} backend has no deterministic backward (fp32 atomics), but "
         "torch.use_deterministic_algorithms is on"

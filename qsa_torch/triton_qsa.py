@@ -18,6 +18,7 @@ the kernels. Nothing synchronises with the host: the union width is static
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -30,7 +31,6 @@ __all__ = [
     "DEFAULT_BLOCK_SIZES",
     "SAFE_BLOCK_SIZES",
     "TileUnions",
-    "build_flat_unions",
     "build_tile_unions",
     "default_block_sizes",
     "triton_sparse_gqa_attention",
@@ -293,6 +293,9 @@ def _launch(kernel, tail_args, constexprs: dict, unions: TileUnions, batch_kv_he
         chunk_options += [(bk, 1) for bk in (block_k // 2, block_k // 4) if bk >= 16]
         attempts = list(dict.fromkeys((h, bk, st) for h in head_options for bk, st in chunk_options))
     n_tiles = unions.union.shape[1]
+    if flat and n_tiles * heads >= 2**31:
+        raise ValueError("triton_qsa's flat tiling indexes (row, head) pairs in int32: "
+                         f"S_q * G = {n_tiles * heads} is too many; use flatten_heads=False")
     # batch * KV heads * head chunks go on CUDA grid axis y
     chunks_of = (lambda hb: 1) if flat else (lambda hb: -(-group // hb))  # noqa: E731
     fitting = [a for a in attempts if batch_kv_heads * chunks_of(a[0]) <= _MAX_GRID_Y]
@@ -302,12 +305,15 @@ def _launch(kernel, tail_args, constexprs: dict, unions: TileUnions, batch_kv_he
             f"triton_qsa launches batch * kv_heads * head chunks = {needed} programs along "
             f"CUDA grid axis y, more than its limit {_MAX_GRID_Y}: split the batch")
     attempts = fitting
+    # Triton launches on the current CUDA device: make it the tensors' one
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     for i, (hb, bk, stages) in enumerate(attempts):
         chunks = chunks_of(hb)
         try:
-            kernel[(n_tiles, batch_kv_heads * chunks)](
-                *tail_args, chunks, **constexprs, HB=hb, BLOCK_K=bk, num_warps=num_warps,
-                num_stages=stages)
+            with guard:
+                kernel[(n_tiles, batch_kv_heads * chunks)](
+                    *tail_args, chunks, **constexprs, HB=hb, BLOCK_K=bk, num_warps=num_warps,
+                    num_stages=stages)
         except Exception as exc:  # triton.runtime.errors.OutOfResources (triton is lazy here)
             if type(exc).__name__ != "OutOfResources" or i == len(attempts) - 1:
                 raise

@@ -353,3 +353,51 @@ def test_triton_pair_compiles_fullgraph_and_passes_opcheck(rng):
     residuals = torch.ops.qsa.triton_sparse_gqa_attention.default(*detached, routes, 0.3)
     torch.library.opcheck(torch.ops.qsa.triton_sparse_gqa_attention_backward.default,
                           (grad, *detached, *residuals, 0.3))
+
+
+def test_auto_fallback_from_the_triton_pair_skips_triton_everywhere(rng, monkeypatch, caplog):
+    """A broken Triton runtime (ImportError) under "auto": logged, remembered in _BROKEN,
+    and neither the generic forward nor its backward tries Triton again."""
+    from qsa_torch import triton_qsa
+
+    monkeypatch.setitem(api.PREFERENCE, "cpu", ("triton",))
+    monkeypatch.setattr(api, "_BROKEN", {})
+
+    def broken(*args, **kwargs):
+        raise ImportError("libcuda went missing for the test")
+
+    generic_calls = []
+    monkeypatch.setattr(triton_qsa, "forward_with_residuals", broken)
+    monkeypatch.setattr(triton_qsa, "triton_sparse_gqa_attention",
+                        lambda *a, **k: generic_calls.append(1) or broken())
+    problem, q, k, v, do = _problem(rng)
+    with caplog.at_level(logging.DEBUG, logger="qsa_torch"):
+        got = run_torch(api.sparse_gqa_attention, q, k, v, problem.routes, 0.3, do, "float32")
+    assert "libcuda went missing" in caplog.text and "triton" in api._BROKEN
+    assert not generic_calls
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert relative_error(g, w) < 1e-5, name
+
+
+def test_triton_pair_logs_its_run_and_refuses_deterministic_backward(rng, monkeypatch, caplog):
+    monkeypatch.setitem(api.PREFERENCE, "cpu", ("triton",))
+    problem, q, k, v, _ = _problem(rng)
+    routes = torch.from_numpy(problem.routes)
+    with caplog.at_level(logging.DEBUG, logger="qsa_torch"):
+        api.sparse_gqa_attention(*_leaves(q, k, v), routes)
+    assert "ran backend 'triton'" in caplog.text
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        with torch.no_grad():  # no backward: allowed
+            api.sparse_gqa_attention(*_leaves(q, k, v), routes, backend="triton")
+        with pytest.raises(RuntimeError, match="deterministic"):
+            api.sparse_gqa_attention(*_leaves(q, k, v), routes, backend="triton")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        compiled = torch.compile(lambda *a: api.sparse_gqa_attention(*a, backend="triton"),
+                                 fullgraph=True, backend="aot_eager")
+        with pytest.warns(UserWarning, match="deterministic"):
+            compiled(*_leaves(q, k, v), routes).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
