@@ -136,13 +136,13 @@ def tile_route_union(routes: jax.Array, rows: int, block_k: int):
 
 
 def _flat_blocks(s_q: int, geo: _Geometry):
-    """Flat geometry: per program, its first query row and its row mask ``[n, rows]``."""
+    """Flat geometry: per program, the query rows ``[n, rows]`` it may touch and which
+    of them it does."""
     n_blocks = -(-s_q * geo.group // geo.block_m)
     first_pair = jnp.arange(n_blocks, dtype=jnp.int32) * geo.block_m
-    first_row = first_pair // geo.group
     last_row = jnp.minimum((first_pair + geo.block_m - 1) // geo.group, s_q - 1)
-    row = first_row[:, None] + jnp.arange(geo.rows, dtype=jnp.int32)[None, :]
-    return first_row, row, row <= last_row[:, None]
+    row = (first_pair // geo.group)[:, None] + jnp.arange(geo.rows, dtype=jnp.int32)[None, :]
+    return row, row <= last_row[:, None]
 
 
 def flat_route_union(routes: jax.Array, geo: _Geometry):
@@ -150,7 +150,7 @@ def flat_route_union(routes: jax.Array, geo: _Geometry):
     routes of the query rows its ``block_m`` (row, head) pairs touch; bit t of
     ``rowbits`` is row ``first_row + t`` of the program."""
     bsz, s_q, width = routes.shape
-    _, row, ok = _flat_blocks(s_q, geo)
+    row, ok = _flat_blocks(s_q, geo)
     r = jnp.where(ok[None, :, :, None], routes[:, jnp.minimum(row, s_q - 1), :], -1)
     return _union_of_row_groups(r.reshape(bsz, row.shape[0], geo.rows * width), geo.rows, width,
                                 geo.block_k)

@@ -198,6 +198,18 @@ def _load(name: str) -> Callable[..., torch.Tensor]:
         raise
 
 
+# what "auto" falls back on when a backend raises it
+_FALLBACK_ERRORS = (ImportError, NotImplementedError, torch.OutOfMemoryError)
+
+
+def _note_failure(name: str, err: Exception) -> None:
+    """Log that backend ``name`` raised ``err`` under "auto"; an ImportError marks it broken."""
+    if isinstance(err, ImportError):  # a missing runtime stays missing: do not retry
+        _BROKEN[name] = f"its runtime failed to import: {err}"
+    _log(f"sparse_gqa_attention: backend {name!r} failed ({type(err).__name__}: {err}); "
+         "falling back", logging.WARNING)
+
+
 def _run(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -230,11 +242,8 @@ def _run(
             continue
         try:
             result = body(_load(name))
-        except (ImportError, NotImplementedError, torch.OutOfMemoryError) as err:
-            if isinstance(err, ImportError):  # a missing runtime stays missing: do not retry
-                _BROKEN[name] = f"its runtime failed to import: {err}"
-            _log(f"sparse_gqa_attention: backend {name!r} failed ({type(err).__name__}: {err}); "
-                 "falling back", logging.WARNING)
+        except _FALLBACK_ERRORS as err:
+            _note_failure(name, err)
             continue
         logger.debug("sparse_gqa_attention: ran backend %r", name)
         return result
@@ -463,11 +472,8 @@ def sparse_gqa_attention(
             return _triton_forward_op(query, key, value, selected_token_ids, checked.scale)[0]
         try:
             out = _triton_forward_op(query, key, value, selected_token_ids, checked.scale)[0]
-        except (ImportError, NotImplementedError, torch.OutOfMemoryError) as err:
-            if isinstance(err, ImportError):  # a missing runtime stays missing: do not retry
-                _BROKEN["triton"] = f"its runtime failed to import: {err}"
-            _log(f"sparse_gqa_attention: backend 'triton' failed ({type(err).__name__}: {err}); "
-                 "falling back", logging.WARNING)
+        except _FALLBACK_ERRORS as err:
+            _note_failure("triton", err)
             backend = _AUTO_EXCLUDING + "triton"
         else:
             logger.debug("sparse_gqa_attention: ran backend %r", "triton")

@@ -26,13 +26,13 @@ The runtime is imported on first use (:func:`_load_cudnn`), never when ``qsa_tor
 from __future__ import annotations
 
 import importlib
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .routes import ProblemDims, validate_inputs, validate_routes
+from .routes import (ProblemDims, check_deterministic_backward, refuse_nondeterministic_backward,
+                     validate_inputs, validate_routes)
 
 __all__ = ["cudnn_sparse_gqa_attention"]
 
@@ -145,21 +145,6 @@ def _check_supported(dims: ProblemDims) -> None:
         )
 
 
-def _check_deterministic(where: str) -> None:
-    """Honour ``torch.use_deterministic_algorithms``: the backward is not repeatable."""
-    if not torch.are_deterministic_algorithms_enabled():
-        return
-    message = (
-        f"cudnn_sparse_gqa_attention ({where}): the cuDNN indexed QSA backward accumulates "
-        "dQ/dK/dV with FP32 atomics and has no deterministic mode, but "
-        "torch.use_deterministic_algorithms(True) is set"
-    )
-    if torch.is_deterministic_algorithms_warn_only_enabled():
-        warnings.warn(message, UserWarning, stacklevel=3)
-        return
-    raise RuntimeError(message)
-
-
 def _check_gpu(device: torch.device) -> None:
     """The tensors must live on an SM100/SM103 GPU; checked before cuDNN is imported.
 
@@ -235,7 +220,7 @@ class _CudnnQSA(torch.autograd.Function):
         Raises:
             RuntimeError: deterministic algorithms were switched on after the forward.
         """
-        _check_deterministic("backward")
+        refuse_nondeterministic_backward("cudnn_qsa")
         _, backward = _load_cudnn()
         q, k, v, indices, out_fp32, lse = ctx.saved_tensors
         dq, dk, dv = backward(
@@ -311,8 +296,7 @@ def cudnn_sparse_gqa_attention(
     )
     dims = checked.dims
     _check_supported(dims)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        _check_deterministic("a backward will be needed")
+    check_deterministic_backward("cudnn_qsa", query, key, value)
     _check_gpu(query.device)
     _load_cudnn()
 

@@ -101,11 +101,8 @@ def check_deterministic_backward(backend: str, *tensors: torch.Tensor) -> None:
     algorithms are on and autograd will need gradients of ``tensors``, raise
     RuntimeError (in warn-only mode, warn instead).
     """
-    if not torch.are_deterministic_algorithms_enabled():
-        return
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        return
-    refuse_nondeterministic_backward(backend)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        refuse_nondeterministic_backward(backend)
 
 
 def refuse_nondeterministic_backward(backend: str) -> None:
