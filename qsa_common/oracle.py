@@ -58,7 +58,10 @@ def oracle_forward_backward(
         return (out,)
     do = np.asarray(grad_out, dtype=np.float64).transpose(0, 2, 1, 3)
     dp = do @ vh.transpose(0, 1, 3, 2)
-    ds = probs * (dp - (do * out_h).sum(-1, keepdims=True))
+    # delta = sum_j P_ij dP_ij (equal to dO_i . O_i in exact arithmetic): a row with one
+    # route then gets dS = 1 * (dP - dP) = 0 exactly, as its gradient is, instead of
+    # float64 rounding noise that makes any relative error against it meaningless
+    ds = probs * (dp - (probs * dp).sum(-1, keepdims=True))
     dq = scale * ds @ kh
     dk_h = scale * ds.transpose(0, 1, 3, 2) @ qh
     dv_h = probs.transpose(0, 1, 3, 2) @ do
