@@ -110,27 +110,44 @@ def _tile_coordinates(S_q, HKV, G, HB: tl.constexpr, T: tl.constexpr, D, D_PAD: 
 
 @triton.jit
 def _gather_chunk(start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s, sv_d, d, d_ok, t, row_ok,
-                  BLOCK_K: tl.constexpr):
-    """Union chunk [start, start + BLOCK_K): IDs (int64, clamped), K/V rows, membership."""
+                  BLOCK_K: tl.constexpr, EVEN_D: tl.constexpr, OFFS32: tl.constexpr):
+    """Union chunk [start, start + BLOCK_K): IDs (clamped to 0 past ``count``), K/V
+    rows, the [BLOCK_K, D_PAD] mask of real entries, and membership.
+
+    ``OFFS32``: every element offset from the K/V/dK/dV base pointers fits int32 (the
+    host checks), so the per-element address arithmetic stays 32-bit; it measured as
+    more instructions in int64. ``EVEN_D``: D == D_PAD, so the
+    masks are per row only."""
     u = start + tl.arange(0, BLOCK_K)
     u_ok = u < count
     ids = tl.load(union + u, mask=u_ok, other=0)
     bits = tl.load(rowbits + u, mask=u_ok, other=0)
-    ids64 = tl.where(u_ok & (ids >= 0), ids, 0).to(tl.int64)
-    kv_mask = u_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_base + ids64[:, None] * sk_s + d[None, :] * sk_d, mask=kv_mask, other=0.0)
-    v = tl.load(v_base + ids64[:, None] * sv_s + d[None, :] * sv_d, mask=kv_mask, other=0.0)
+    rows = tl.where(ids >= 0, ids, 0)
+    if not OFFS32:
+        rows = rows.to(tl.int64)
+    k_off = rows[:, None] * sk_s + d[None, :] * sk_d
+    v_off = rows[:, None] * sv_s + d[None, :] * sv_d
+    # entries past count load zeros, not row 0: K/V rows that no query routes to may
+    # hold anything (even inf), and 0 * inf would leak into the dots
+    if EVEN_D:
+        kv_mask = tl.broadcast_to(u_ok[:, None], (BLOCK_K, d.shape[0]))
+    else:
+        kv_mask = u_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + k_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_base + v_off, mask=kv_mask, other=0.0)
     member = (((bits[None, :] >> t[:, None]) & 1) != 0) & row_ok[:, None]
-    return ids64, kv_mask, k, v, member
+    return rows, kv_mask, k, v, member
 
 
 @triton.jit
 def _forward_step(start, count, q, t, row_ok, d, d_ok, m_i, l_i, acc, union, rowbits,
                   k_base, v_base, sk_s, sk_d, sv_s, sv_d, scale_log2,
-                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                  EVEN_D: tl.constexpr, OFFS32: tl.constexpr):
     """One online-softmax update (log2 domain) over a union chunk."""
-    ids64, kv_mask, k, v, member = _gather_chunk(
-        start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s, sv_d, d, d_ok, t, row_ok, BLOCK_K)
+    rows, kv_mask, k, v, member = _gather_chunk(
+        start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s, sv_d, d, d_ok, t, row_ok, BLOCK_K,
+        EVEN_D, OFFS32)
     s = _mm(q, tl.trans(k), IEEE) * scale_log2
     s = tl.where(member, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
@@ -147,26 +164,28 @@ def _forward_step(start, count, q, t, row_ok, d, d_ok, m_i, l_i, acc, union, row
 def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq, union, rowbits,
                    k_base, v_base, dk_base, dv_base, sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2,
                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                   SKIP_DKDV: tl.constexpr):
+                   SKIP_DKDV: tl.constexpr, EVEN_D: tl.constexpr, OFFS32: tl.constexpr):
     """dQ update and the chunk's dK/dV atomic adds; returns the new dQ (unscaled)."""
-    ids64, kv_mask, k, v, member = _gather_chunk(
-        start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s, sv_d, d, d_ok, t, row_ok, BLOCK_K)
+    rows, kv_mask, k, v, member = _gather_chunk(
+        start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s, sv_d, d, d_ok, t, row_ok, BLOCK_K,
+        EVEN_D, OFFS32)
     s = _mm(q, tl.trans(k), IEEE) * scale_log2
     p = tl.where(member, tl.exp2(s - lse_log2[:, None]), 0.0)
     dp = _mm(do, tl.trans(v), IEEE)
     ds = p * (dp - delta[:, None])
     dq += _mm(_cast(ds, k.dtype, INTERPRET), k, IEEE)
-    dv_blk = _mm(tl.trans(_cast(p, do.dtype, INTERPRET)), do, IEEE)
-    dk_blk = _mm(tl.trans(_cast(ds, q.dtype, INTERPRET)), q, IEEE) * scale
     if SKIP_DKDV:
         # measurement hook: the same instructions under a mask that is false at run time,
         # so no atomic reaches memory. The condition is on a stride argument, whose sign
         # the compiler cannot know (``count < 0`` could be folded inside the loop over
         # count, and the dK/dV dots dropped with it).
-        kv_mask = kv_mask & (tl.full([BLOCK_K], sdk_s, tl.int64) < 0)[:, None]
-    # rows past count carry zeros and are masked: they add nothing
-    acc_off = ids64[:, None] * sdk_s + d[None, :]
+        kv_mask = kv_mask & (tl.full([BLOCK_K], sdk_s, tl.int32) < 0)[:, None]
+    # rows past count carry zeros and are masked: they add nothing. Each [BLOCK_K, D]
+    # block is added as soon as it is computed, so only one of them holds registers.
+    acc_off = rows[:, None] * sdk_s + d[None, :]
+    dv_blk = _mm(tl.trans(_cast(p, do.dtype, INTERPRET)), do, IEEE)
     tl.atomic_add(dv_base + acc_off, dv_blk, mask=kv_mask, sem="relaxed")
+    dk_blk = _mm(tl.trans(_cast(ds, q.dtype, INTERPRET)), q, IEEE) * scale
     tl.atomic_add(dk_base + acc_off, dk_blk, mask=kv_mask, sem="relaxed")
     return dq
 
@@ -183,6 +202,7 @@ def qsa_forward_kernel(
     N_CHUNKS,
     T: tl.constexpr, HB: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, INTERPRET: tl.constexpr, FLAT: tl.constexpr = False,
+    EVEN_D: tl.constexpr = False, OFFS32: tl.constexpr = False,
 ):
     """Forward of one (tile, batch * KV head * head chunk) program.
 
@@ -208,13 +228,13 @@ def qsa_forward_kernel(
         while start < count:
             m_i, l_i, acc = _forward_step(
                 start, count, q, t, row_ok, d, d_ok, m_i, l_i, acc, UNION + tile_base, ROWBITS + tile_base,
-                k_base, v_base, sk_s, sk_d, sv_s, sv_d, scale_log2, BLOCK_K, IEEE, INTERPRET)
+                k_base, v_base, sk_s, sk_d, sv_s, sv_d, scale_log2, BLOCK_K, IEEE, INTERPRET, EVEN_D, OFFS32)
             start += BLOCK_K
     else:
         for start in range(0, count, BLOCK_K):
             m_i, l_i, acc = _forward_step(
                 start, count, q, t, row_ok, d, d_ok, m_i, l_i, acc, UNION + tile_base, ROWBITS + tile_base,
-                k_base, v_base, sk_s, sk_d, sv_s, sv_d, scale_log2, BLOCK_K, IEEE, INTERPRET)
+                k_base, v_base, sk_s, sk_d, sv_s, sv_d, scale_log2, BLOCK_K, IEEE, INTERPRET, EVEN_D, OFFS32)
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -239,14 +259,15 @@ def qsa_backward_kernel(
     N_CHUNKS,
     T: tl.constexpr, HB: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, INTERPRET: tl.constexpr, SKIP_DKDV: tl.constexpr = False,
-    FLAT: tl.constexpr = False,
+    FLAT: tl.constexpr = False, EVEN_D: tl.constexpr = False, OFFS32: tl.constexpr = False,
 ):
     """Fused backward of one program: dQ in registers (written once), dK/dV by atomics.
 
-    DK/DV are fp32 [B,S_kv,Hkv,D_PAD-or-D] accumulators (last stride 1) that must be
-    zero on entry (``SKIP_DKDV``, a measurement hook, masks every add off at run time:
-    the kernel's time without the atomics' memory traffic); each union chunk adds its [BLOCK_K, D] block (IDs within a chunk are
-    distinct, so a chunk never adds to one address twice).
+    DK/DV are fp32 [B, S_kv, Hkv, D] accumulators (last stride 1) that must be zero on
+    entry; each union chunk adds its [BLOCK_K, D] block (IDs within a chunk are
+    distinct, so a chunk never adds to one address twice). ``SKIP_DKDV``, a measurement
+    hook, masks every add off at run time: the kernel's time without the atomics'
+    memory traffic.
     """
     tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask = _tile_coordinates(
         S_q, HKV, G, HB, T, D, D_PAD, N_CHUNKS, FLAT)
@@ -275,7 +296,8 @@ def qsa_backward_kernel(
             dq = _backward_step(
                 start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
                 UNION + tile_base, ROWBITS + tile_base, k_base, v_base, dk_base, dv_base,
-                sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, BLOCK_K, IEEE, INTERPRET, SKIP_DKDV)
+                sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, BLOCK_K, IEEE, INTERPRET, SKIP_DKDV,
+                EVEN_D, OFFS32)
             start += BLOCK_K
     else:
         # Ascending IDs in every program: programs of neighbouring tiles run together over
@@ -285,7 +307,98 @@ def qsa_backward_kernel(
             dq = _backward_step(
                 start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
                 UNION + tile_base, ROWBITS + tile_base, k_base, v_base, dk_base, dv_base,
-                sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, BLOCK_K, IEEE, INTERPRET, SKIP_DKDV)
+                sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, BLOCK_K, IEEE, INTERPRET, SKIP_DKDV,
+                EVEN_D, OFFS32)
 
     dq_ptr = DQ + b64 * sdq_b + row64[:, None] * sdq_s + head[:, None] * sdq_h + d[None, :] * sdq_d
     tl.store(dq_ptr, _cast(dq * scale, DQ.dtype.element_ty, INTERPRET), mask=io_mask)
+
+
+# ------------------------------------------------------------------- tile unions
+# The sorted (ID, row) keys of a tile give its union in one pass: an ID starts a new
+# union slot where it differs from the previous key's ID, the slot is a running count
+# of those starts (a prefix sum per chunk plus the count carried from earlier chunks),
+# and each key ORs its row's bit into its slot (OR is idempotent, so repeated (ID, row)
+# keys need no care).
+@triton.jit
+def union_from_sorted_kernel(KEYS, UNION, ROWBITS, COUNT, n_keys, width, low_mask, sentinel,
+                             SHIFT: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """One program per group: KEYS [n_groups, n_keys] ascending per group, each
+    ``(group << b) | (id << SHIFT | row)`` (or ``sentinel`` in the low bits: no
+    route); UNION [n_groups, width] must hold -1 and ROWBITS zeros on entry."""
+    group = tl.program_id(0).to(tl.int64)
+    keys = KEYS + group * n_keys
+    out = group * width
+    carry = tl.reduce(tl.full([1], 0, tl.int32), 0, _SUM)
+    if INTERPRET:
+        start = 0
+        while start < n_keys:
+            carry = _union_step(start, n_keys, keys, UNION + out, ROWBITS + out, low_mask, sentinel, carry,
+                                SHIFT, BLOCK)
+            start += BLOCK
+    else:
+        for start in range(0, n_keys, BLOCK):
+            carry = _union_step(start, n_keys, keys, UNION + out, ROWBITS + out, low_mask, sentinel, carry,
+                                SHIFT, BLOCK)
+    tl.store(COUNT + group + tl.arange(0, 1), tl.full([1], 0, tl.int32) + carry)
+
+
+@triton.jit
+def _union_step(start, n_keys, keys, union, rowbits, low_mask, sentinel, carry,
+                SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = start + tl.arange(0, BLOCK)
+    in_range = offs < n_keys
+    low = tl.load(keys + offs, mask=in_range, other=sentinel) & low_mask
+    prev = tl.load(keys + offs - 1, mask=in_range & (offs > 0), other=-1) & low_mask
+    valid = low != sentinel
+    ids = low >> SHIFT
+    first = valid & (ids != (prev >> SHIFT))
+    slot = carry + tl.associative_scan(first.to(tl.int32), 0, _SUM) - 1
+    tl.store(union + slot, ids.to(tl.int32), mask=first)
+    bit = tl.full([BLOCK], 1, tl.int32) << (low & ((1 << SHIFT) - 1)).to(tl.int32)
+    tl.atomic_or(rowbits + slot, bit, mask=valid, sem="relaxed")
+    return carry + tl.reduce(first.to(tl.int32), 0, _SUM)
+
+
+@triton.jit
+def split_unions_kernel(UNION, ROWBITS, COUNT, SUB_UNION, SUB_ROWBITS, SUB_COUNT,
+                        n_tiles, width, n_sub, sub_width,
+                        SUB_T: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+    """Program (sub-tile, batch row): keep the parent tile's IDs with a bit among rows
+    [part * SUB_T, (part + 1) * SUB_T), in order, with those bits shifted down.
+    Parents are [B, n_tiles, width]; sub-tiles [B, n_sub, sub_width], SUB_UNION
+    holding -1 and SUB_ROWBITS zeros on entry."""
+    sub = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    parent = b * n_tiles + sub // PARTS
+    shift = (sub % PARTS) * SUB_T
+    count = _load_count(COUNT, parent)
+    out = (b * n_sub + sub) * sub_width
+    carry = tl.reduce(tl.full([1], 0, tl.int32), 0, _SUM)
+    if INTERPRET:
+        start = 0
+        while start < count:
+            carry = _split_step(start, count, UNION + parent * width, ROWBITS + parent * width,
+                                SUB_UNION + out, SUB_ROWBITS + out, shift, carry, SUB_T, BLOCK)
+            start += BLOCK
+    else:
+        for start in range(0, count, BLOCK):
+            carry = _split_step(start, count, UNION + parent * width, ROWBITS + parent * width,
+                                SUB_UNION + out, SUB_ROWBITS + out, shift, carry, SUB_T, BLOCK)
+    tl.store(SUB_COUNT + b * n_sub + sub + tl.arange(0, 1), tl.full([1], 0, tl.int32) + carry)
+
+
+@triton.jit
+def _split_step(start, count, union, rowbits, sub_union, sub_rowbits, shift, carry,
+                SUB_T: tl.constexpr, BLOCK: tl.constexpr):
+    u = start + tl.arange(0, BLOCK)
+    u_ok = u < count
+    ids = tl.load(union + u, mask=u_ok, other=-1)
+    # the arithmetic shift drags int32's sign bit (row 31) down: the mask drops it
+    bits = (tl.load(rowbits + u, mask=u_ok, other=0) >> shift) & ((1 << SUB_T) - 1)
+    keep = u_ok & (bits != 0)
+    slot = carry + tl.associative_scan(keep.to(tl.int32), 0, _SUM) - 1
+    tl.store(sub_union + slot, ids, mask=keep)
+    tl.store(sub_rowbits + slot, bits, mask=keep)
+    return carry + tl.reduce(keep.to(tl.int32), 0, _SUM)

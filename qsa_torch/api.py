@@ -371,34 +371,36 @@ def _triton_backward_op(
     count: torch.Tensor,
     rowbits: torch.Tensor,
     softmax_scale: float,
+    top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from . import triton_qsa
 
     grads = triton_qsa.backward_from_residuals(grad_out, query, key, value, out, lse, union, count,
-                                               rowbits, softmax_scale)
+                                               rowbits, softmax_scale, top_k)
     return tuple(g.contiguous() for g in grads)
 
 
 @_triton_backward_op.register_fake
-def _triton_backward_fake(grad_out, query, key, value, out, lse, union, count, rowbits, softmax_scale):
+def _triton_backward_fake(grad_out, query, key, value, out, lse, union, count, rowbits, softmax_scale,
+                          top_k):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _triton_setup_context(ctx, inputs, output):
-    query, key, value, _routes, scale = inputs
+    query, key, value, routes, scale = inputs
     # here rather than before the op: runs only when autograd records the op, and under
     # torch.compile as AOTAutograd's plain Python (dynamo cannot trace the warn-only query)
     refuse_nondeterministic_backward("triton_qsa")
     out, lse, union, count, rowbits = output
     ctx.mark_non_differentiable(lse, union, count, rowbits)
     ctx.save_for_backward(query, key, value, out, lse, union, count, rowbits)
-    ctx.scale = scale
+    ctx.scale, ctx.top_k = scale, routes.shape[2]
 
 
 def _triton_backward(ctx, grad_out, *_unused):
     query, key, value, out, lse, union, count, rowbits = ctx.saved_tensors
     dq, dk, dv = _triton_backward_op(grad_out, query, key, value, out, lse, union, count, rowbits,
-                                     ctx.scale)
+                                     ctx.scale, ctx.top_k)
     return dq, dk, dv, None, None
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "TileUnions",
     "build_tile_unions",
     "default_block_sizes",
+    "split_tile_unions",
     "triton_sparse_gqa_attention",
 ]
 
@@ -40,6 +41,14 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_ROWS_PER_TILE = 32  # rowbits is an int32 bitmask
 _MAX_HEAD_DIM = 256
 _MAX_GRID_Y = 65535  # CUDA's limit on grid dimension y
+
+# Code-generation choices of the kernels; the probe script turns them off to measure
+# what each buys (H200, S=32k, (24,2), D=256: 32-bit offsets took the backward from
+# 78.4 to 73.7 ms), and the tests run both ways.
+KERNEL_OPTIONS = {
+    "offs32": True,  # 32-bit element offsets where every one fits (checked per call)
+    "triton_unions": True,  # union steps after the sort, and splits, as Triton kernels
+}
 
 
 @dataclass(frozen=True)
@@ -49,13 +58,19 @@ class BlockSizes:
     ``block_m``: target matrix rows (query row x head pairs) of a forward program;
     it fixes the tile height T = min(32, block_m // G_pad) (G_pad = Hq/Hkv rounded up
     to a power of two) and so the route unions shared by forward and backward.
-    ``block_k``: union IDs gathered per step. ``backward_block_m`` may be smaller than
-    the forward's T * G_pad: the backward then splits each tile's heads over several
-    programs (same T, same unions). All block sizes are powers of two >= 16.
+    ``block_k``: union IDs gathered per step.
+    ``backward_block_m``: matrix rows of a backward program. By default
+    (``backward_rows_per_tile`` None) a backward program keeps all G_pad heads of a
+    tile and takes T_b = backward_block_m // G_pad of its rows: each forward tile is
+    cut into T / T_b backward tiles, whose unions come out of the forward's
+    (:func:`split_tile_unions`, no second sort). ``backward_rows_per_tile`` sets T_b
+    instead; heads are split over several programs when T_b * G_pad is more than
+    ``backward_block_m``. All block sizes are powers of two >= 16.
     ``flatten_heads``: when G is not a power of two, every program (forward and
     backward) takes ``block_m`` consecutive (query row, head) pairs instead of T rows x
     G_pad heads, so no matrix row is head padding; a program then spans up to
-    ``(block_m - 1) // G + 2`` query rows. Not yet timed on a GPU.
+    ``(block_m - 1) // G + 2`` query rows (its unions are built, not split, and take
+    longer: see docs/benchmarks.md).
     """
 
     block_m: int = 128
@@ -66,6 +81,7 @@ class BlockSizes:
     backward_block_k: int = 32
     backward_num_warps: int = 8
     backward_num_stages: int = 1
+    backward_rows_per_tile: int | None = None
     flatten_heads: bool = False
 
     def __post_init__(self):
@@ -77,16 +93,21 @@ class BlockSizes:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
+        rows = self.backward_rows_per_tile
+        if rows is not None and (not isinstance(rows, int) or not 1 <= rows <= _MAX_ROWS_PER_TILE
+                                 or rows & (rows - 1)):
+            raise ValueError("BlockSizes.backward_rows_per_tile must be None or a power of two "
+                             f"in [1, {_MAX_ROWS_PER_TILE}], got {rows!r}")
         if not isinstance(self.flatten_heads, bool):
             raise TypeError(f"BlockSizes.flatten_heads must be a bool, got {self.flatten_heads!r}")
 
 
-# H200 at D = 256, S = 32768, (24,2), QSA routes (docs/benchmarks.md, probe of
-# 2026-11-30): all 16 padded heads of a tile in one backward program (half the dK/dV
-# atomics of two 8-head programs) with two stages, 72.7 ms against 84.0 ms for
-# (64, 1 stage); three forward stages 9.1 ms against 9.3. Other devices and head dims
-# get lighter tiles.
-DEFAULT_BLOCK_SIZES = BlockSizes(num_stages=3, backward_block_m=128, backward_num_stages=2)
+# H200 at D = 256, S = 32768, (24,2), QSA routes (docs/benchmarks.md, probes of the
+# third session): backward programs of 4 rows x 16 padded heads over 64-ID chunks,
+# 56.1 ms including the split of the 8-row unions, against 73.7 ms for 8 rows x 16
+# heads over 32-ID chunks and 64.1 ms for 4 x 16 over 32-ID chunks; three forward
+# stages 9.1 ms against 9.3. Other devices and head dims get lighter tiles.
+DEFAULT_BLOCK_SIZES = BlockSizes(num_stages=3, backward_block_k=64, backward_num_stages=1)
 SAFE_BLOCK_SIZES = BlockSizes(block_m=64, block_k=32, num_warps=4, num_stages=2,
                               backward_block_m=32, backward_block_k=32,
                               backward_num_warps=4, backward_num_stages=1)
@@ -117,6 +138,11 @@ class _Plan:
     head_dim_pad: int  # D_PAD
     blocks: BlockSizes
     flat: bool = False
+    bwd_rows: int = 0  # T_b, the backward's rows per tile (0: rows_per_tile)
+
+    @property
+    def backward_rows(self) -> int:
+        return self.bwd_rows or self.rows_per_tile
 
     def n_tiles(self, s_q: int) -> int:
         if self.flat:
@@ -136,10 +162,17 @@ def _make_plan(group: int, head_dim: int, blocks: BlockSizes) -> _Plan:
     heads = min(g_pad, blocks.block_m)
     rows = max(1, min(_MAX_ROWS_PER_TILE, blocks.block_m // heads))
     # every dot needs M >= 16: a small group simply gets more rows per tile
-    bwd_heads = max(1, min(heads, blocks.backward_block_m // rows))
-    while rows * bwd_heads < 16:
+    if blocks.backward_rows_per_tile is None:  # all heads, as many rows as fit
+        bwd_rows = max(1, min(rows, blocks.backward_block_m // heads))
+    else:
+        bwd_rows = min(rows, blocks.backward_rows_per_tile)
+    while bwd_rows * heads < 16 and bwd_rows < rows:
+        bwd_rows *= 2
+    bwd_heads = max(1, min(heads, blocks.backward_block_m // bwd_rows))
+    while bwd_rows * bwd_heads < 16:
         bwd_heads *= 2
-    return _Plan(rows, group, heads, bwd_heads, head_dim_pad, blocks)
+    return _Plan(rows, group, heads, bwd_heads, head_dim_pad, blocks,
+                 bwd_rows=0 if bwd_rows == rows else bwd_rows)
 
 
 @dataclass(frozen=True)
@@ -195,6 +228,56 @@ def build_flat_unions(routes: torch.Tensor, kv_length: int, plan: _Plan) -> Tile
     return _unions_of_row_groups(grouped, kv_length)
 
 
+def split_tile_unions(unions: TileUnions, rows_per_tile: int, top_k: int, query_length: int) -> TileUnions:
+    """The unions of tiles of ``rows_per_tile`` rows, cut out of coarser ones.
+
+    ``unions`` are of tiles of T rows (:func:`build_tile_unions` of ``[B, S_q, K]``
+    routes with K = ``top_k`` and S_q = ``query_length``); T' = ``rows_per_tile`` is a
+    power of two dividing T. Sub-tile h of a tile keeps, in order, the IDs whose
+    ``rowbits`` have a bit among rows ``[h * T', (h + 1) * T')`` and those bits shifted
+    down: exactly ``build_tile_unions(routes, kv_length, T')`` (width ``min(T' * K,
+    S_kv)``), from a prefix sum instead of a second sort.
+    """
+    t = unions.rows_per_tile
+    if rows_per_tile == t:
+        return unions
+    if rows_per_tile < 1 or rows_per_tile > t or t % rows_per_tile:
+        raise ValueError(f"rows_per_tile must be a power of two dividing {t}, got {rows_per_tile}")
+    bsz, n_tiles, parent_width = unions.union.shape
+    device = unions.union.device
+    parts = t // rows_per_tile
+    width = min(rows_per_tile * top_k, parent_width)
+    n_sub = -(-query_length // rows_per_tile)
+    kernels = _union_kernels(device)
+    if kernels is not None:
+        union, rowbits, count = _blank_unions(bsz, n_sub, width, device)
+        _, interpreted = _load_kernels()
+        with _on_device(device):
+            kernels.split_unions_kernel[(n_sub, bsz)](
+                unions.union, unions.rowbits, unions.count, union, rowbits, count,
+                n_tiles, parent_width, n_sub, width,
+                SUB_T=rows_per_tile, PARTS=parts, BLOCK=_UNION_BLOCK, INTERPRET=interpreted)
+        return TileUnions(union, count, rowbits, rows_per_tile)
+    valid = torch.arange(parent_width, device=device) < unions.count[..., None]
+    union = torch.full((bsz, n_tiles, parts, width + 1), -1, dtype=torch.int32, device=device)
+    rowbits = torch.zeros_like(union)
+    count = torch.empty((bsz, n_tiles, parts), dtype=torch.int32, device=device)
+    low_bits = (1 << rows_per_tile) - 1
+    for part in range(parts):
+        # the arithmetic shift drags int32's sign bit (row 31) down: the mask drops it
+        bits = (unions.rowbits >> (part * rows_per_tile)) & low_bits
+        keep = valid & (bits != 0)
+        slot = torch.cumsum(keep, dim=-1, dtype=torch.int32)
+        count[..., part] = slot[..., -1]
+        dest = torch.where(keep, slot - 1, width).long()
+        union[:, :, part].scatter_(-1, dest, unions.union)
+        rowbits[:, :, part].scatter_(-1, dest, bits)
+    union = union.reshape(bsz, n_tiles * parts, width + 1)[:, :n_sub, :width]
+    rowbits = rowbits.reshape(bsz, n_tiles * parts, width + 1)[:, :n_sub, :width]
+    return TileUnions(union.contiguous(), count.reshape(bsz, -1)[:, :n_sub].contiguous(),
+                      rowbits.contiguous(), rows_per_tile)
+
+
 def _unions_for(routes: torch.Tensor, kv_length: int, plan: _Plan) -> TileUnions:
     if plan.flat:
         return build_flat_unions(routes, kv_length, plan)
@@ -217,13 +300,32 @@ def _unions_of_row_groups(grouped: torch.Tensor, kv_length: int) -> TileUnions:
     device = grouped.device
     # compare in the input dtype: casting huge int64 to int32 first would wrap
     valid = (grouped >= 0) & (grouped < kv_length)
-    key_dtype = torch.int32 if kv_length * t < 2**31 - 1 else torch.int64
-    sentinel = torch.iinfo(key_dtype).max
     shift = t.bit_length() - 1
+    sentinel = kv_length * t  # past every (ID, row) key: sorts to the end of its tile
+    key_bits = sentinel.bit_length()
+    # One flat sort of (group, ID, row) keys, the group index in the high bits, instead
+    # of a segmented sort per group: a plain radix sort of every key at once.
+    group_bits = max(1, (bsz * n_tiles - 1).bit_length())
+    if key_bits + group_bits > 62:  # pragma: no cover - needs > 2**62 keys of address space
+        raise ValueError(f"tile unions of {bsz * n_tiles} groups over kv_length {kv_length} need "
+                         "sort keys wider than 62 bits")
+    key_dtype = torch.int32 if key_bits + group_bits <= 31 else torch.int64
     ids = torch.where(valid, grouped, torch.zeros((), dtype=grouped.dtype, device=device)).to(key_dtype)
     rows = torch.arange(t, device=device, dtype=key_dtype).view(1, 1, t, 1)
-    keys = torch.where(valid, (ids << shift) + rows, torch.full((), sentinel, dtype=key_dtype, device=device))
-    keys = torch.sort(keys.reshape(bsz, n_tiles, t * k), dim=-1).values
+    low = torch.where(valid, (ids << shift) + rows, torch.full((), sentinel, dtype=key_dtype, device=device))
+    group = torch.arange(bsz * n_tiles, device=device, dtype=key_dtype).view(bsz, n_tiles, 1, 1)
+    keys = torch.sort(((group << key_bits) | low).reshape(-1)).values.view(bsz, n_tiles, t * k)
+    width = min(t * k, kv_length)
+    kernels = _union_kernels(device)
+    if kernels is not None:
+        union, rowbits, count = _blank_unions(bsz, n_tiles, width, device)
+        _, interpreted = _load_kernels()
+        with _on_device(device):
+            kernels.union_from_sorted_kernel[(bsz * n_tiles,)](
+                keys, union, rowbits, count, t * k, width, (1 << key_bits) - 1, sentinel,
+                SHIFT=shift, BLOCK=_UNION_BLOCK, INTERPRET=interpreted)
+        return TileUnions(union, count, rowbits, t)
+    keys = keys & ((1 << key_bits) - 1)
     valid = keys != sentinel
     ids = (keys >> shift).to(torch.int32)
     first = valid.clone()
@@ -233,7 +335,6 @@ def _unions_of_row_groups(grouped: torch.Tensor, kv_length: int) -> TileUnions:
     fresh[..., 1:] &= keys[..., 1:] != keys[..., :-1]
     slot = torch.cumsum(first, dim=-1, dtype=torch.int32) - 1
     count = slot[..., -1] + 1
-    width = min(t * k, kv_length)
     spare = torch.full((), width, dtype=torch.int64, device=device)
     union = torch.full((bsz, n_tiles, width + 1), -1, dtype=torch.int32, device=device)
     union.scatter_(-1, torch.where(first, slot.long(), spare), ids)
@@ -243,6 +344,33 @@ def _unions_of_row_groups(grouped: torch.Tensor, kv_length: int) -> TileUnions:
     rowbits.scatter_add_(-1, torch.where(fresh, slot.long(), spare), torch.where(fresh, bit, 0))
     return TileUnions(union[..., :width].contiguous(), count.contiguous(),
                       rowbits[..., :width].contiguous(), t)
+
+
+_UNION_BLOCK = 1024  # keys (IDs) per step of the union kernels
+
+
+def _union_kernels(device: torch.device):
+    """The kernels module when the union steps run in Triton here (CUDA tensors, or
+    the interpreter), else None: then they run as torch ops (same results)."""
+    if not KERNEL_OPTIONS["triton_unions"]:
+        return None
+    try:
+        kernels, interpreted = _load_kernels()
+    except ImportError:
+        return None
+    return kernels if device.type == "cuda" or interpreted else None
+
+
+def _blank_unions(bsz: int, n_tiles: int, width: int, device: torch.device):
+    """What the union kernels fill: union (all -1), rowbits (zeros), count (unset)."""
+    union = torch.full((bsz, n_tiles, width), -1, dtype=torch.int32, device=device)
+    count = torch.empty((bsz, n_tiles), dtype=torch.int32, device=device)
+    return union, torch.zeros_like(union), count
+
+
+def _on_device(device: torch.device):
+    """Triton launches on the current CUDA device: make it ``device``."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @functools.cache
@@ -305,8 +433,7 @@ def _launch(kernel, tail_args, constexprs: dict, unions: TileUnions, batch_kv_he
             f"triton_qsa launches batch * kv_heads * head chunks = {needed} programs along "
             f"CUDA grid axis y, more than its limit {_MAX_GRID_Y}: split the batch")
     attempts = fitting
-    # Triton launches on the current CUDA device: make it the tensors' one
-    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    guard = _on_device(device)
     for i, (hb, bk, stages) in enumerate(attempts):
         chunks = chunks_of(hb)
         try:
@@ -320,6 +447,17 @@ def _launch(kernel, tail_args, constexprs: dict, unions: TileUnions, batch_kv_he
             continue
         _LAUNCH_FALLBACKS[key] = (hb, bk, stages)
         return
+
+
+
+
+def _offsets_fit_int32(*extents: tuple[int, torch.Tensor]) -> bool:
+    """Whether every element offset ``row * stride(1) + col * stride(3)`` of each
+    ``(rows, tensor)`` pair (rows: how many rows along dim 1 are addressed) fits int32."""
+    if not KERNEL_OPTIONS["offs32"]:
+        return False
+    return all((rows - 1) * t.stride(1) + (t.shape[3] - 1) * t.stride(3) < 2**31 - 1
+               for rows, t in extents)
 
 
 def _forward(q, k, v, unions: TileUnions, scale: float, plan: _Plan):
@@ -336,19 +474,25 @@ def _forward(q, k, v, unions: TileUnions, scale: float, plan: _Plan):
         s_q, n_tiles, width, hkv, plan.group, d, scale * kernels.LOG2E,
     )
     constexprs = dict(T=1 if plan.flat else plan.rows_per_tile, D_PAD=plan.head_dim_pad,
-                      IEEE=interpreted or q.dtype == torch.float32, INTERPRET=interpreted, FLAT=plan.flat)
+                      IEEE=interpreted or q.dtype == torch.float32, INTERPRET=interpreted, FLAT=plan.flat,
+                      EVEN_D=d == plan.head_dim_pad,
+                      OFFS32=_offsets_fit_int32((k.shape[1], k), (v.shape[1], v)))
     b = plan.blocks
     _launch(kernels.qsa_forward_kernel, args, constexprs, unions, bsz * hkv, plan.group,
             plan.fwd_heads, b.block_k, b.num_warps, b.num_stages, q.device)
     return out, lse
 
 
-def _backward(q, k, v, out, lse, grad_out, unions: TileUnions, scale: float, plan: _Plan,
+def _backward(q, k, v, out, lse, grad_out, unions: TileUnions, scale: float, plan: _Plan, top_k: int,
               skip_dkdv: bool = False):
     """Backward kernel: dq (q's dtype), dk, dv (k's dtype) from fp32 atomic accumulators.
-    ``skip_dkdv`` (measurement only) leaves out the dK/dV atomics: dk, dv come back zero."""
+
+    ``unions`` are the forward's (``top_k`` = K of the routes they came from); a plan
+    with shorter backward tiles splits them first. ``skip_dkdv`` (measurement only)
+    leaves out the dK/dV atomics: dk, dv come back zero."""
     kernels, interpreted = _load_kernels()
     bsz, s_q, hq, d = q.shape
+    unions = split_tile_unions(unions, plan.backward_rows, top_k, s_q)
     s_kv, hkv = k.shape[1], k.shape[2]
     dq = _new_buffer((bsz, s_q, hq, d), q.dtype, q.device)
     dk = torch.zeros((bsz, s_kv, hkv, d), dtype=torch.float32, device=q.device)
@@ -360,9 +504,10 @@ def _backward(q, k, v, out, lse, grad_out, unions: TileUnions, scale: float, pla
         *lse.stride(), *dq.stride(), *dk.stride()[:3],
         s_q, n_tiles, width, hkv, plan.group, d, scale, scale * kernels.LOG2E,
     )
-    constexprs = dict(T=1 if plan.flat else plan.rows_per_tile, D_PAD=plan.head_dim_pad,
+    constexprs = dict(T=1 if plan.flat else plan.backward_rows, D_PAD=plan.head_dim_pad,
                       IEEE=interpreted or q.dtype == torch.float32, INTERPRET=interpreted,
-                      SKIP_DKDV=skip_dkdv, FLAT=plan.flat)
+                      SKIP_DKDV=skip_dkdv, FLAT=plan.flat, EVEN_D=d == plan.head_dim_pad,
+                      OFFS32=_offsets_fit_int32((s_kv, k), (s_kv, v), (s_kv, dk)))
     b = plan.blocks
     _launch(kernels.qsa_backward_kernel, args, constexprs, unions, bsz * hkv, plan.group,
             plan.bwd_heads, b.backward_block_k, b.backward_num_warps, b.backward_num_stages,
@@ -374,11 +519,11 @@ class _TritonQSA(torch.autograd.Function):
     """query/key/value -> out; the tile unions and plan are non-differentiable inputs."""
 
     @staticmethod
-    def forward(ctx, query, key, value, union, count, rowbits, scale, plan):
+    def forward(ctx, query, key, value, union, count, rowbits, scale, plan, top_k):
         unions = TileUnions(union, count, rowbits, plan.rows_per_tile)
         out, lse = _forward(query, key, value, unions, scale, plan)
         ctx.save_for_backward(query, key, value, out, lse, union, count, rowbits)
-        ctx.scale, ctx.plan = scale, plan
+        ctx.scale, ctx.plan, ctx.top_k = scale, plan, top_k
         return out
 
     @staticmethod
@@ -386,8 +531,9 @@ class _TritonQSA(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, out, lse, union, count, rowbits = ctx.saved_tensors
         unions = TileUnions(union, count, rowbits, ctx.plan.rows_per_tile)
-        dq, dk, dv = _backward(query, key, value, out, lse, grad_out, unions, ctx.scale, ctx.plan)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = _backward(query, key, value, out, lse, grad_out, unions, ctx.scale, ctx.plan,
+                               ctx.top_k)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def triton_sparse_gqa_attention(
@@ -426,7 +572,7 @@ def triton_sparse_gqa_attention(
     check_deterministic_backward("triton_qsa", query, key, value)
     unions = _unions_for(selected_token_ids, checked.dims.kv_length, plan)
     return _TritonQSA.apply(query, key, value, unions.union, unions.count, unions.rowbits,
-                            checked.scale, plan)
+                            checked.scale, plan, selected_token_ids.shape[2])
 
 
 def _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes=None):
@@ -477,8 +623,9 @@ def residual_shapes(query, key, selected_token_ids) -> list[tuple[tuple[int, ...
 
 
 def backward_from_residuals(grad_out, query, key, value, out, lse, union, count, rowbits,
-                            softmax_scale: float):
-    """``(dq, dk, dv)`` from :func:`forward_with_residuals`'s results (same inputs)."""
+                            softmax_scale: float, top_k: int):
+    """``(dq, dk, dv)`` from :func:`forward_with_residuals`'s results (same inputs;
+    ``top_k``: K of their ``[B, S_q, K]`` routes)."""
     plan = _default_plan(query, key)
     unions = TileUnions(union, count, rowbits, plan.rows_per_tile)
-    return _backward(query, key, value, out, lse, grad_out, unions, softmax_scale, plan)
+    return _backward(query, key, value, out, lse, grad_out, unions, softmax_scale, plan, top_k)

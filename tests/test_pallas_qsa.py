@@ -268,3 +268,31 @@ def test_flat_route_union_matches_brute_force():
             assert union[b, p, :n].tolist() == ids.tolist() and np.all(union[b, p, n:] == -1)
             want = [sum(1 << t for t in range(len(rows)) if x in rows[t]) for x in ids]
             assert bits[b, p, :n].tolist() == want
+
+
+def test_flat_tiling_beyond_int32_pairs(monkeypatch):
+    """flatten_heads indexes (row, head) pairs in int32: asked for explicitly past that
+    range it raises NotImplementedError; the GPU default (flat for 16-bit D > 128)
+    quietly falls back to padded tiles there."""
+    import jax.numpy as jnp
+
+    from qsa_jax import pallas_qsa as pq
+
+    assert pq._pairs_fit_int32(2**31 - 1000, pq.BlockSizes())
+    assert not pq._pairs_fit_int32(2**31 - 100, pq.BlockSizes())
+    assert pq.BlockSizes.default(256, False).flatten_heads
+    assert not pq.BlockSizes.default(256, True).flatten_heads
+    q = jnp.zeros((1, 8, 3, 16), jnp.float32)
+    kv = jnp.zeros((1, 8, 1, 16), jnp.float32)
+    routes = jnp.zeros((1, 8, 2), jnp.int32)
+    monkeypatch.setattr(pq, "_pairs_fit_int32", lambda pairs, bs: False)
+    with pytest.raises(NotImplementedError, match="int32"):
+        pq.pallas_sparse_gqa_attention(q, kv, kv, routes, block_sizes=pq.BlockSizes(
+            block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16, flatten_heads=True), interpret=True)
+    seen = []
+    real_run = pq._run
+    monkeypatch.setattr(pq.BlockSizes, "default", classmethod(
+        lambda cls, *a, **k: cls(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16, flatten_heads=True)))
+    monkeypatch.setattr(pq, "_run", lambda *a, **kw: seen.append(kw["block_sizes"]) or real_run(*a, **kw))
+    pq.pallas_sparse_gqa_attention(q, kv, kv, routes, interpret=True)
+    assert seen and not seen[0].flatten_heads

@@ -352,7 +352,7 @@ def test_triton_pair_compiles_fullgraph_and_passes_opcheck(rng):
                           (*leaves, routes, 0.3))
     residuals = torch.ops.qsa.triton_sparse_gqa_attention.default(*detached, routes, 0.3)
     torch.library.opcheck(torch.ops.qsa.triton_sparse_gqa_attention_backward.default,
-                          (grad, *detached, *residuals, 0.3))
+                          (grad, *detached, *residuals, 0.3, routes.shape[2]))
 
 
 def test_auto_fallback_from_the_triton_pair_skips_triton_everywhere(rng, monkeypatch, caplog):

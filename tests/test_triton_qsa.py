@@ -32,7 +32,12 @@ from qsa_common.layouts import make_problem  # noqa: E402
 from qsa_common.oracle import membership, oracle_forward_backward, relative_error  # noqa: E402
 from qsa_torch import triton_qsa  # noqa: E402
 from qsa_torch.routes import normalize_routes, to_torch_routes  # noqa: E402
-from qsa_torch.triton_qsa import BlockSizes, build_tile_unions, triton_sparse_gqa_attention  # noqa: E402
+from qsa_torch.triton_qsa import (  # noqa: E402
+    BlockSizes,
+    build_tile_unions,
+    split_tile_unions,
+    triton_sparse_gqa_attention,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -101,6 +106,9 @@ def _check_against_oracle(routes, kv_length, heads, head_dim, dtype, blocks, rng
      BlockSizes(block_m=32, block_k=32, backward_block_m=32, backward_block_k=16)),
     # 12:1 padded to 16 heads; the backward splits each tile's heads over 2 programs
     ("cp", "adversarial", (12, 1), 24,
+     BlockSizes(block_m=32, block_k=16, backward_block_m=16, backward_block_k=32, backward_rows_per_tile=2)),
+    # the same by default: backward tiles of 1 row x 16 heads cut from 2-row tiles
+    ("padded", "adversarial", (12, 1), 24,
      BlockSizes(block_m=32, block_k=16, backward_block_m=16, backward_block_k=32)),
     # a group wider than block_m: two head chunks per tile, one row per tile
     ("cp", "adversarial", (32, 1), 8,
@@ -118,6 +126,11 @@ def test_float16_qsa_routes():
     _check_against_oracle(problem.routes, problem.kv_length, (4, 1), 32, "float16", SMALL, rng)
 
 
+def _to_cpu(unions):
+    return triton_qsa.TileUnions(unions.union.cpu(), unions.count.cpu(), unions.rowbits.cpu(),
+                                 unions.rows_per_tile)
+
+
 def _brute_force_unions(routes: np.ndarray, kv_length: int, rows_per_tile: int):
     """Per (batch, tile): the sorted set of valid IDs and, per ID, the bitmask of rows."""
     member = membership(routes, kv_length)  # [B, S_q, S_kv]
@@ -133,21 +146,24 @@ def _brute_force_unions(routes: np.ndarray, kv_length: int, rows_per_tile: int):
     return result
 
 
+@pytest.mark.parametrize("triton_unions", [True, False], ids=["triton", "torch"])
 @pytest.mark.parametrize("rows_per_tile", [1, 4, 32])
-def test_tile_unions_match_brute_force(rows_per_tile):
+def test_tile_unions_match_brute_force(monkeypatch, rows_per_tile, triton_unions):
+    """Both implementations of the steps after the sort (Triton kernel, torch ops)."""
+    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "triton_unions", triton_unions)
     rng = _fresh_rng()
     kv_length, width = 50, 9
     routes = np.concatenate([
         adversarial_routes(kv_length, width=width, rng=rng)[None, :45],
         random_routes(kv_length, width=width, rng=rng, causal=False)[None, :45],
     ])
-    raw = torch.from_numpy(routes)
-    unions = build_tile_unions(raw, kv_length, rows_per_tile)
+    raw = torch.from_numpy(routes).to(DEVICE)
+    unions = _to_cpu(build_tile_unions(raw, kv_length, rows_per_tile))
     # canonical routes (the references' form) and a strided view give the same unions
-    canonical = build_tile_unions(normalize_routes(raw, kv_length), kv_length, rows_per_tile)
+    canonical = _to_cpu(build_tile_unions(normalize_routes(raw, kv_length), kv_length, rows_per_tile))
     strided_view = raw.repeat_interleave(2, dim=2)[..., ::2]
     assert not strided_view.is_contiguous()
-    strided = build_tile_unions(strided_view, kv_length, rows_per_tile)
+    strided = _to_cpu(build_tile_unions(strided_view, kv_length, rows_per_tile))
     for other in (canonical, strided):
         assert torch.equal(other.union, unions.union) and torch.equal(other.count, unions.count)
         assert torch.equal(other.rowbits, unions.rowbits)
@@ -173,7 +189,7 @@ def test_tile_unions_with_wide_keys():
     routes[0, 3] = routes[0, 2]  # two identical rows
     routes[0, 5, 1] = routes[0, 5, 0]  # a repeated ID within a row
     routes[0, 7, :3] = kv_length - 1
-    unions = build_tile_unions(torch.from_numpy(routes), kv_length, 32)
+    unions = _to_cpu(build_tile_unions(torch.from_numpy(routes).to(DEVICE), kv_length, 32))
     valid = (routes >= 0) & (routes < kv_length)
     for tile in range(3):
         rows = slice(32 * tile, 32 * tile + 32)
@@ -313,9 +329,9 @@ def test_deterministic_backward_is_refused():
     """Atomic dK/dV: with torch.use_deterministic_algorithms a backward is refused up front."""
     previous = (torch.are_deterministic_algorithms_enabled(),
                 torch.is_deterministic_algorithms_warn_only_enabled())
-    q = torch.randn(1, 8, 2, 16, requires_grad=True)
-    k, v = torch.randn(1, 8, 1, 16), torch.randn(1, 8, 1, 16)
-    routes = torch.randint(-1, 8, (1, 8, 4))
+    q = torch.randn(1, 8, 2, 16, device=DEVICE, requires_grad=True)
+    k, v = torch.randn(2, 1, 8, 1, 16, device=DEVICE).unbind(0)
+    routes = torch.randint(-1, 8, (1, 8, 4), device=DEVICE)
     try:
         torch.use_deterministic_algorithms(True)
         with pytest.raises(RuntimeError, match="deterministic"):
@@ -333,9 +349,9 @@ def test_grid_axis_limit_is_a_clear_error(monkeypatch):
     """batch * KV heads * head chunks goes on CUDA grid axis y (at most 65535): past it
     the backend refuses with ValueError instead of a launch failure."""
     monkeypatch.setattr(triton_qsa, "_MAX_GRID_Y", 3)
-    q = torch.randn(2, 8, 4, 16)
-    kv = torch.randn(2, 8, 2, 16)
-    routes = torch.zeros(2, 8, 3, dtype=torch.int64)
+    q = torch.randn(2, 8, 4, 16, device=DEVICE)
+    kv = torch.randn(2, 8, 2, 16, device=DEVICE)
+    routes = torch.zeros(2, 8, 3, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="grid axis y"):
         triton_sparse_gqa_attention(q, kv, kv, routes)
     monkeypatch.setattr(triton_qsa, "_MAX_GRID_Y", 4)
@@ -346,15 +362,15 @@ def test_skip_dkdv_measurement_hook():
     """The probe's hook masks every dK/dV add off at run time: dk/dv stay zero and dq
     is the same as with the adds."""
     torch.manual_seed(0)
-    q, do = torch.randn(2, 2, 9, 4, 16).unbind(0)
-    k, v = torch.randn(2, 2, 11, 2, 16).unbind(0)
-    routes = torch.randint(-2, 13, (2, 9, 5))
+    q, do = torch.randn(2, 2, 9, 4, 16, device=DEVICE).unbind(0)
+    k, v = torch.randn(2, 2, 11, 2, 16, device=DEVICE).unbind(0)
+    routes = torch.randint(-2, 13, (2, 9, 5), device=DEVICE)
     plan = triton_qsa._make_plan(2, 16, BlockSizes(block_m=16, block_k=16, backward_block_m=16,
                                                    backward_block_k=16))
     unions = build_tile_unions(routes, 11, plan.rows_per_tile)
     out, lse = triton_qsa._forward(q, k, v, unions, 0.25, plan)
-    dq, dk, dv = triton_qsa._backward(q, k, v, out, lse, do, unions, 0.25, plan)
-    dq_skip, dk_skip, dv_skip = triton_qsa._backward(q, k, v, out, lse, do, unions, 0.25, plan,
+    dq, dk, dv = triton_qsa._backward(q, k, v, out, lse, do, unions, 0.25, plan, 5)
+    dq_skip, dk_skip, dv_skip = triton_qsa._backward(q, k, v, out, lse, do, unions, 0.25, plan, 5,
                                                      skip_dkdv=True)
     assert dk.abs().sum() > 0 and dv.abs().sum() > 0
     assert torch.equal(dq_skip, dq) and not dk_skip.any() and not dv_skip.any()
@@ -397,7 +413,7 @@ def test_flat_unions_match_brute_force():
     routes = rng.integers(-3, kv_length + 3, size=(2, s_q, 5))
     routes[0, 4, 1] = routes[0, 4, 0]  # a repeated ID in a row
     plan = triton_qsa._make_plan(group, 16, BlockSizes(block_m=32, flatten_heads=True))
-    unions = triton_qsa.build_flat_unions(torch.from_numpy(routes), kv_length, plan)
+    unions = _to_cpu(triton_qsa.build_flat_unions(torch.from_numpy(routes).to(DEVICE), kv_length, plan))
     n_blocks = -(-s_q * group // 32)
     assert unions.union.shape[:2] == (2, n_blocks) and unions.rows_per_tile == 4
     for b in range(2):
@@ -409,3 +425,104 @@ def test_flat_unions_match_brute_force():
             assert unions.union[b, p, :n].tolist() == ids.tolist()
             want = [sum(1 << t for t in range(len(rows)) if x in rows[t]) for x in ids]
             assert unions.rowbits[b, p, :n].tolist() == want
+
+
+@pytest.mark.parametrize("rows, sub_rows, s_q, kv_length", [
+    (8, 4, 45, 50),  # last tile partly empty, widths T * K and T' * K
+    (32, 4, 30, 30),  # row 31 (int32's sign bit) routed; both widths capped at S_kv
+    (16, 1, 33, 200),
+])
+@pytest.mark.parametrize("triton_unions", [True, False], ids=["triton", "torch"])
+def test_split_unions_equal_unions_built_at_the_finer_tiling(monkeypatch, rows, sub_rows, s_q, kv_length,
+                                                             triton_unions):
+    """Cutting T-row unions into T'-row ones gives exactly what a sort at T' gives:
+    the same IDs, counts, row bits and -1 padding (routes with every adversarial ID,
+    every row routed so the top row bit is used), in the Triton kernel and in torch."""
+    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "triton_unions", triton_unions)
+    rng = _fresh_rng()
+    width = 9
+    routes = np.concatenate([
+        adversarial_routes(kv_length, width=width, rng=rng)[None, :s_q],
+        rng.integers(0, kv_length, size=(1, s_q, width)),
+    ])
+    raw = torch.from_numpy(routes).to(DEVICE)
+    coarse = build_tile_unions(raw, kv_length, rows)
+    want = build_tile_unions(raw, kv_length, sub_rows)
+    got = split_tile_unions(coarse, sub_rows, width, s_q)
+    assert got.rows_per_tile == sub_rows
+    assert torch.equal(got.count, want.count)
+    assert got.union.shape == want.union.shape
+    assert torch.equal(got.union, want.union)
+    assert torch.equal(got.rowbits, want.rowbits)
+    assert split_tile_unions(coarse, rows, width, s_q) is coarse
+    with pytest.raises(ValueError):
+        split_tile_unions(coarse, rows * 2, width, s_q)
+
+
+@pytest.mark.parametrize("heads, layout, family", [
+    ((6, 2), "padded", "adversarial"),
+    ((12, 1), "packed", "qsa"),
+    ((2, 2), "cp", "random"),  # MHA: the backward rows are raised until M >= 16
+])
+def test_shorter_backward_tiles_against_the_oracle(heads, layout, family):
+    """backward_rows_per_tile < T: the backward walks split unions of shorter tiles;
+    out and every gradient still match the oracle."""
+    rng = _fresh_rng()
+    problem = make_problem(layout, family, seed=int(rng.integers(2**31)), seq_len=38,
+                           **(dict(top_k=3) if family == "qsa" else dict(width=7)))
+    blocks = BlockSizes(block_m=128, block_k=16, num_warps=2, num_stages=1, backward_block_m=32,
+                        backward_block_k=16, backward_num_warps=2, backward_num_stages=1,
+                        backward_rows_per_tile=4)
+    plan = triton_qsa._make_plan(heads[0] // heads[1], 16, blocks)
+    assert plan.backward_rows < plan.rows_per_tile
+    assert plan.backward_rows * plan.bwd_heads >= 16
+    _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks, rng, 0.3)
+
+
+def test_backward_rows_per_tile_is_validated():
+    for bad in (0, 3, 64, 2.0):
+        with pytest.raises(ValueError):
+            BlockSizes(backward_rows_per_tile=bad)
+
+
+def test_int64_offsets_against_the_oracle(monkeypatch):
+    """With 32-bit offsets off (what the kernels do when an offset could pass 2**31)
+    they compute the same function; every other test runs the 32-bit path."""
+    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "offs32", False)
+    rng = _fresh_rng()
+    problem = make_problem("packed", "adversarial", seed=int(rng.integers(2**31)), seq_len=30, width=7)
+    _check_against_oracle(problem.routes, problem.kv_length, (6, 2), 16, "float32", MEDIUM, rng, 0.3)
+
+
+def test_offsets_fit_int32_checks_the_largest_offset(monkeypatch):
+    small = torch.empty(1, 8, 2, 16)
+    assert triton_qsa._offsets_fit_int32((8, small))
+    wide = torch.empty(1, 2**27, 1, 16, device="meta")  # strides (2**31, 16, 16, 1)
+    assert not triton_qsa._offsets_fit_int32((2**27, wide))  # (2**27 - 1) * 16 + 15 >= 2**31 - 1
+    assert triton_qsa._offsets_fit_int32((2**27 - 1, wide))
+    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "offs32", False)
+    assert not triton_qsa._offsets_fit_int32((8, small))
+
+
+@pytest.mark.parametrize("group, rows, fwd_heads, bwd_rows, bwd_heads", [
+    (12, 8, 16, 4, 16),  # the tuned H200 shape: 8-row tiles, backward cut to 4 rows
+    (2, 32, 2, 32, 2),  # small groups: 32-row tiles (rowbits' limit), no cut needed
+    (1, 32, 1, 32, 1),
+    (64, 2, 64, 1, 64),  # a group wider than backward_block_m: 1 row, all heads
+])
+def test_default_plans(group, rows, fwd_heads, bwd_rows, bwd_heads):
+    plan = triton_qsa._make_plan(group, 256, triton_qsa.DEFAULT_BLOCK_SIZES)
+    assert (plan.rows_per_tile, plan.fwd_heads, plan.backward_rows, plan.bwd_heads) == (
+        rows, fwd_heads, bwd_rows, bwd_heads)
+
+
+def test_default_block_sizes_in_interpret_mode():
+    """The GPU's default tiling (8-row forward tiles of 16 padded heads over 64-ID
+    chunks, backward tiles cut to 4 rows) at D=256 and G=12 through the interpreter,
+    so its index arithmetic is checked against the oracle on CPU."""
+    rng = _fresh_rng()
+    problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=20, top_k=5)
+    plan = triton_qsa._make_plan(12, 256, triton_qsa.DEFAULT_BLOCK_SIZES)
+    assert plan.backward_rows < plan.rows_per_tile
+    _check_against_oracle(problem.routes, problem.kv_length, (12, 1), 256, "float32",
+                          triton_qsa.DEFAULT_BLOCK_SIZES, rng, 0.1)

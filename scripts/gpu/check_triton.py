@@ -237,7 +237,8 @@ class Bench:
             "forward_kernel_ms": _time_ms(
                 lambda: tq._forward(self.q, self.k, self.v, unions, self.scale, plan), self.reps),
             "backward_kernel_ms": _time_ms(
-                lambda: tq._backward(self.q, self.k, self.v, out, lse, self.do, unions, self.scale, plan),
+                lambda: tq._backward(self.q, self.k, self.v, out, lse, self.do, unions, self.scale, plan,
+                                     self.routes.shape[2]),
                 self.reps),
         }
         with torch.no_grad():

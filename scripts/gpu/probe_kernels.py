@@ -15,6 +15,7 @@ drops the adds at trace time, so the compiler also drops the dK/dV dots: it time
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -111,21 +112,76 @@ def torch_part(routes_np, s, n_routes):
     for name, kw in (("default", {}), ("flat", dict(flatten_heads=True))):
         record("torch_fwd_kernel", name, lambda kw=kw: fwd(**kw))
 
+    top_k = routes.shape[2]
+
+    @contextlib.contextmanager
+    def options(**opts):
+        saved = dict(tq.KERNEL_OPTIONS)
+        tq.KERNEL_OPTIONS.update(opts)
+        try:
+            yield
+        finally:
+            tq.KERNEL_OPTIONS.update(saved)
+
+    def unions(rows=8, **opts):
+        with options(**opts):
+            u = tq.build_tile_unions(routes, s, rows)
+            return dict(build_ms=bench(lambda: tq.build_tile_unions(routes, s, rows)),
+                        split_to_4_ms=bench(lambda: tq.split_tile_unions(u, 4, top_k, s)))
+
+    record("torch_unions", "triton_kernels", unions)
+    record("torch_unions", "torch_ops", lambda: unions(triton_unions=False))
+
     def bwd(skip=False, **kw):
         plan = plan_for(**kw)
         if (plan.flat, plan.rows_per_tile) not in fwd_cache:
             fwd(**kw)
         unions, out, lse = fwd_cache[plan.flat, plan.rows_per_tile]
-        run = lambda: tq._backward(q, k, v, out, lse, do, unions, 1 / 16, plan, skip_dkdv=skip)  # noqa: E731
+        run = lambda: tq._backward(q, k, v, out, lse, do, unions, 1 / 16, plan, top_k,  # noqa: E731
+                                   skip_dkdv=skip)
         ms = bench(run)
-        return dict(ms=ms, useful_tflops=2.5 * flops / ms / 1e9, T=plan.rows_per_tile, HB=plan.bwd_heads)
+        return dict(ms=ms, useful_tflops=2.5 * flops / ms / 1e9, T=plan.backward_rows, HB=plan.bwd_heads)
 
-    for name, kw in (("default", {}), ("default_no_atomic_traffic", dict(skip=True)),
-                     ("flat", dict(flatten_heads=True)),
-                     ("flat_no_atomic_traffic", dict(flatten_heads=True, skip=True)),
-                     ("hb8_s1", dict(backward_block_m=64, backward_num_stages=1)),
-                     ("k64", dict(backward_block_k=64))):
+    # default: backward tiles of 4 rows x 16 heads, unions cut from the forward's 8-row
+    # ones inside the timed call
+    flat64 = dict(flatten_heads=True, block_m=64, backward_block_m=64, backward_num_stages=1)
+    for name, kw in (("default", {}),
+                     ("default_no_atomic_traffic", dict(skip=True)),
+                     ("k32", dict(backward_block_k=32)),
+                     ("flat_bm64_k64", dict(flat64, backward_block_k=64))):
         record("torch_bwd_kernel", name, lambda kw=kw: bwd(**kw))
+
+    def end_to_end(opts=None, **kw):
+        blocks = dataclasses.replace(tq.DEFAULT_BLOCK_SIZES, **kw)
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+        def step():
+            for x in leaves:
+                x.grad = None
+            tq.triton_sparse_gqa_attention(*leaves, routes, 1 / 16, block_sizes=blocks).backward(do)
+
+        with options(**(opts or {})):
+            with torch.no_grad():
+                fwd_ms = bench(lambda: tq.triton_sparse_gqa_attention(*leaves, routes, 1 / 16, block_sizes=blocks))
+            return dict(fwd_ms=fwd_ms, fwdbwd_ms=bench(step))
+
+    for name, kw in (("default", {}), ("torch_union_ops", dict(opts=dict(triton_unions=False))),
+                     ("flat_bm64_k64", dict(flat64, backward_block_k=64))):
+        record("torch_end_to_end", name, lambda kw=kw: end_to_end(**kw))
+
+    def api_op_pair():
+        from qsa_torch import sparse_gqa_attention
+
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+        def step():
+            for x in leaves:
+                x.grad = None
+            sparse_gqa_attention(*leaves, routes, 1 / 16, backend="triton").backward(do)
+
+        return dict(fwdbwd_ms=bench(step))
+
+    record("torch_end_to_end", "api_backend_triton", api_op_pair)
 
 
 def jax_part(routes_np, s, n_routes):
@@ -151,9 +207,12 @@ def jax_part(routes_np, s, n_routes):
         return dict(fwd_ms=timed(jax.jit(f), q, k, v), fwdbwd_ms=timed(g, q, k, v, do))
 
     record("jax", "cudnn_dense", dense)
-    for rows, bk in ((8, 64), (4, 32), (8, 32)):
-        record("jax", f"union_T{rows}_bk{bk}",
-               lambda rows=rows, bk=bk: timed(jax.jit(lambda r: pq.tile_route_union(r, rows, bk)), routes))
+    for name, kw in (("fwd_default", {}), ("fwd_padded", dict(flatten_heads=False))):
+        def union(kw=kw):
+            bs = dataclasses.replace(pq.BlockSizes.default(d, False), **kw)
+            geo = pq._Geometry.make(hq // hkv, d, bs.block_m, bs.block_k, bs.flatten_heads)
+            return timed(jax.jit(lambda r: pq._route_union(r, geo)), routes)
+        record("jax", f"union_{name}", union)
 
     state = {}
 
@@ -167,7 +226,7 @@ def jax_part(routes_np, s, n_routes):
         ms = timed(call, q, k, v, union, bits, count)
         return dict(ms=ms, useful_tflops=flops / ms / 1e9)
 
-    for name, kw in (("default", {}), ("flat", dict(flatten_heads=True))):
+    for name, kw in (("default", {}), ("padded", dict(flatten_heads=False))):
         record("jax_fwd_kernel", name, lambda kw=kw: fwd(**kw))
 
     def bwd(no_atomics=False, **kw):
@@ -189,8 +248,7 @@ def jax_part(routes_np, s, n_routes):
         ms = timed(call, q, k, v, do, lse, delta, union, bits, count)
         return dict(ms=ms, useful_tflops=2.5 * flops / ms / 1e9, T=geo.rows)
 
-    for name, kw in (("default", {}), ("flat", dict(flatten_heads=True)),
-                     ("k32", dict(block_k_bwd=32)), ("s2", dict(num_stages_bwd=2))):
+    for name, kw in (("default", {}), ("padded", dict(flatten_heads=False))):
         record("jax_bwd_kernel", name, lambda kw=kw: bwd(**kw))
 
 
