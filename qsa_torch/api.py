@@ -124,6 +124,9 @@ def device_class(device: torch.device) -> str:
     return "cuda"
 
 
+# dynamo cannot trace importlib (a graph break in "auto" under torch.compile on the H200);
+# the answer is a constant of the environment, so it is evaluated once while tracing
+@torch.compiler.assume_constant_result
 def _has_module(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None

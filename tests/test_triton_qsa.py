@@ -277,8 +277,12 @@ def test_int32_and_int64_routes_agree():
         results.append(run_torch(fn, q, k, v, problem.routes, 0.3, do, "float32", device=DEVICE))
         for got, ref in zip(results[-1], want):
             assert relative_error(got, ref) < 1e-5
-    for a, b in zip(*results):
+    # the same unions, so the same out and dq bit for bit; dk/dv come from fp32 atomics,
+    # whose order (and so last bits) varies from run to run on a GPU
+    for a, b in zip(results[0][:2], results[1][:2]):
         np.testing.assert_array_equal(a, b)
+    for a, b in zip(results[0][2:], results[1][2:]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _small_tensors(dtype=torch.float32, head_dim=16, device=DEVICE):
