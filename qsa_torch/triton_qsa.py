@@ -104,8 +104,8 @@ class BlockSizes:
 
 # H200 at D = 256, S = 32768, (24,2), QSA routes (docs/benchmarks.md, probes of the
 # third session): backward programs of 4 rows x 16 padded heads over 64-ID chunks,
-# 56.1 ms including the split of the 8-row unions, against 73.7 ms for 8 rows x 16
-# heads over 32-ID chunks and 64.1 ms for 4 x 16 over 32-ID chunks; three forward
+# 49.4 ms including the split of the 8-row unions, against 73.7 ms for 8 rows x 16
+# heads over 32-ID chunks and 62.1 ms for 4 x 16 over 32-ID chunks; three forward
 # stages 9.1 ms against 9.3. Other devices and head dims get lighter tiles.
 DEFAULT_BLOCK_SIZES = BlockSizes(num_stages=3, backward_block_k=64, backward_num_stages=1)
 SAFE_BLOCK_SIZES = BlockSizes(block_m=64, block_k=32, num_warps=4, num_stages=2,
