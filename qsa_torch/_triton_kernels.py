@@ -362,17 +362,26 @@ def _union_step(start, n_keys, keys, union, rowbits, low_mask, sentinel, carry,
 
 @triton.jit
 def split_unions_kernel(UNION, ROWBITS, COUNT, SUB_UNION, SUB_ROWBITS, SUB_COUNT,
-                        n_tiles, width, n_sub, sub_width,
-                        SUB_T: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
-                        INTERPRET: tl.constexpr):
-    """Program (sub-tile, batch row): keep the parent tile's IDs with a bit among rows
-    [part * SUB_T, (part + 1) * SUB_T), in order, with those bits shifted down.
-    Parents are [B, n_tiles, width]; sub-tiles [B, n_sub, sub_width], SUB_UNION
+                        n_tiles, width, n_sub, sub_width, group,
+                        SUB_T: tl.constexpr, PARTS: tl.constexpr, PAIRS: tl.constexpr,
+                        BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """Program (sub-union, batch row): keep the parent tile's IDs with a bit in the
+    sub-union's row window, in order, with those bits shifted down to bit 0. Sub-union
+    s is part ``s % PARTS`` of tile ``s // PARTS``; its window is rows
+    ``[part * SUB_T, (part + 1) * SUB_T)`` (``PAIRS`` = 0) or, for flat programs of
+    PAIRS (row, head) pairs over ``group`` heads, the rows those pairs touch.
+    Parents are [B, n_tiles, width]; sub-unions [B, n_sub, sub_width], SUB_UNION
     holding -1 and SUB_ROWBITS zeros on entry."""
     sub = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     parent = b * n_tiles + sub // PARTS
-    shift = (sub % PARTS) * SUB_T
+    if PAIRS == 0:
+        shift = (sub % PARTS) * SUB_T
+        mask = (1 << SUB_T) - 1
+    else:
+        first_pair = (sub % PARTS) * PAIRS
+        shift = first_pair // group
+        mask = (1 << ((first_pair + PAIRS - 1) // group - shift + 1)) - 1
     count = _load_count(COUNT, parent)
     out = (b * n_sub + sub) * sub_width
     carry = tl.reduce(tl.full([1], 0, tl.int32), 0, _SUM)
@@ -380,23 +389,23 @@ def split_unions_kernel(UNION, ROWBITS, COUNT, SUB_UNION, SUB_ROWBITS, SUB_COUNT
         start = 0
         while start < count:
             carry = _split_step(start, count, UNION + parent * width, ROWBITS + parent * width,
-                                SUB_UNION + out, SUB_ROWBITS + out, shift, carry, SUB_T, BLOCK)
+                                SUB_UNION + out, SUB_ROWBITS + out, shift, mask, carry, BLOCK)
             start += BLOCK
     else:
         for start in range(0, count, BLOCK):
             carry = _split_step(start, count, UNION + parent * width, ROWBITS + parent * width,
-                                SUB_UNION + out, SUB_ROWBITS + out, shift, carry, SUB_T, BLOCK)
+                                SUB_UNION + out, SUB_ROWBITS + out, shift, mask, carry, BLOCK)
     tl.store(SUB_COUNT + b * n_sub + sub + tl.arange(0, 1), tl.full([1], 0, tl.int32) + carry)
 
 
 @triton.jit
-def _split_step(start, count, union, rowbits, sub_union, sub_rowbits, shift, carry,
-                SUB_T: tl.constexpr, BLOCK: tl.constexpr):
+def _split_step(start, count, union, rowbits, sub_union, sub_rowbits, shift, mask, carry,
+                BLOCK: tl.constexpr):
     u = start + tl.arange(0, BLOCK)
     u_ok = u < count
     ids = tl.load(union + u, mask=u_ok, other=-1)
     # the arithmetic shift drags int32's sign bit (row 31) down: the mask drops it
-    bits = (tl.load(rowbits + u, mask=u_ok, other=0) >> shift) & ((1 << SUB_T) - 1)
+    bits = (tl.load(rowbits + u, mask=u_ok, other=0) >> shift) & mask
     keep = u_ok & (bits != 0)
     slot = carry + tl.associative_scan(keep.to(tl.int32), 0, _SUM) - 1
     tl.store(sub_union + slot, ids, mask=keep)

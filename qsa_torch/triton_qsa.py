@@ -33,6 +33,7 @@ __all__ = [
     "TileUnions",
     "build_tile_unions",
     "default_block_sizes",
+    "split_flat_unions",
     "split_tile_unions",
     "triton_sparse_gqa_attention",
 ]
@@ -71,6 +72,12 @@ class BlockSizes:
     G_pad heads, so no matrix row is head padding; a program then spans up to
     ``(block_m - 1) // G + 2`` query rows (its unions are built, not split, and take
     longer: see docs/benchmarks.md).
+    ``backward_flatten_heads``: the forward keeps its padded tiles; the backward's
+    programs take ``backward_block_m`` consecutive pairs each, their unions cut out of
+    the unions of tiles of T_u rows (T_u: the smallest power-of-two multiple of T whose
+    T_u * G pairs hold whole programs, at most 32; the forward's T-row unions are then
+    cut from those too). Where no such T_u exists the backward stays padded. Built and
+    tested, not yet timed on a GPU.
     """
 
     block_m: int = 128
@@ -83,6 +90,7 @@ class BlockSizes:
     backward_num_stages: int = 1
     backward_rows_per_tile: int | None = None
     flatten_heads: bool = False
+    backward_flatten_heads: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "backward_block_m", "backward_block_k"):
@@ -98,8 +106,9 @@ class BlockSizes:
                                  or rows & (rows - 1)):
             raise ValueError("BlockSizes.backward_rows_per_tile must be None or a power of two "
                              f"in [1, {_MAX_ROWS_PER_TILE}], got {rows!r}")
-        if not isinstance(self.flatten_heads, bool):
-            raise TypeError(f"BlockSizes.flatten_heads must be a bool, got {self.flatten_heads!r}")
+        for name in ("flatten_heads", "backward_flatten_heads"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"BlockSizes.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 # H200 at D = 256, S = 32768, (24,2), QSA routes (docs/benchmarks.md, probes of the
@@ -139,6 +148,9 @@ class _Plan:
     blocks: BlockSizes
     flat: bool = False
     bwd_rows: int = 0  # T_b, the backward's rows per tile (0: rows_per_tile)
+    union_rows: int = 0  # T_u, rows of the tiles whose unions are sorted (0: rows_per_tile)
+    bwd_pairs: int = 0  # > 0: flat backward programs of this many pairs (bwd_heads too)
+    bwd_span: int = 0  # with bwd_pairs: power of two bounding the rows one of them spans
 
     @property
     def backward_rows(self) -> int:
@@ -148,6 +160,12 @@ class _Plan:
         if self.flat:
             return -(-s_q * self.group // self.fwd_heads)
         return -(-s_q // self.rows_per_tile)
+
+    def n_union_tiles(self, s_q: int) -> int:
+        """Rows of the unions that are sorted (and saved for the backward)."""
+        if self.flat:
+            return self.n_tiles(s_q)
+        return -(-s_q // (self.union_rows or self.rows_per_tile))
 
 
 def _make_plan(group: int, head_dim: int, blocks: BlockSizes) -> _Plan:
@@ -171,6 +189,16 @@ def _make_plan(group: int, head_dim: int, blocks: BlockSizes) -> _Plan:
     bwd_heads = max(1, min(heads, blocks.backward_block_m // bwd_rows))
     while bwd_rows * bwd_heads < 16:
         bwd_heads *= 2
+    if blocks.backward_flatten_heads and group != g_pad:
+        pairs = blocks.backward_block_m
+        union_rows = rows
+        while union_rows <= _MAX_ROWS_PER_TILE and (union_rows * group) % pairs:
+            union_rows *= 2
+        span = (pairs - 1) // group + 2
+        if union_rows <= _MAX_ROWS_PER_TILE and span <= _MAX_ROWS_PER_TILE:
+            return _Plan(rows, group, heads, pairs, head_dim_pad, blocks,
+                         union_rows=0 if union_rows == rows else union_rows, bwd_pairs=pairs,
+                         bwd_span=_next_pow2(span))
     return _Plan(rows, group, heads, bwd_heads, head_dim_pad, blocks,
                  bwd_rows=0 if bwd_rows == rows else bwd_rows)
 
@@ -243,11 +271,39 @@ def split_tile_unions(unions: TileUnions, rows_per_tile: int, top_k: int, query_
         return unions
     if rows_per_tile < 1 or rows_per_tile > t or t % rows_per_tile:
         raise ValueError(f"rows_per_tile must be a power of two dividing {t}, got {rows_per_tile}")
+    windows = [(part * rows_per_tile, rows_per_tile) for part in range(t // rows_per_tile)]
+    return _cut_unions(unions, windows, -(-query_length // rows_per_tile),
+                       min(rows_per_tile * top_k, unions.union.shape[2]), rows_per_tile, pairs=0, group=1)
+
+
+def split_flat_unions(unions: TileUnions, pairs: int, group: int, top_k: int, query_length: int,
+                      span: int) -> TileUnions:
+    """Flat unions (:func:`build_flat_unions`: programs of ``pairs`` consecutive (query
+    row, head) pairs, G = ``group``) cut out of the unions of T-row tiles, when each
+    tile's T * G pairs hold a whole number of programs. Program p keeps the IDs with a
+    bit among the rows its pairs touch, bits shifted so that bit 0 is its first row.
+    ``span``: the power of two bounding those rows (the flat plan's rows_per_tile);
+    width ``min(span * K, W)``."""
+    t = unions.rows_per_tile
+    if (t * group) % pairs:
+        raise ValueError(f"tiles of {t} rows x {group} heads do not hold whole programs of {pairs} pairs")
+    windows = []
+    for first_pair in range(0, t * group, pairs):
+        first_row, last_row = first_pair // group, (first_pair + pairs - 1) // group
+        windows.append((first_row, last_row - first_row + 1))
+    return _cut_unions(unions, windows, -(-query_length * group // pairs),
+                       min(span * top_k, unions.union.shape[2]), span, pairs=pairs, group=group)
+
+
+def _cut_unions(unions: TileUnions, windows: list[tuple[int, int]], n_sub: int, width: int,
+                rows_per_tile: int, *, pairs: int, group: int) -> TileUnions:
+    """Sub-unions ``p = tile * len(windows) + h`` (the first ``n_sub``): the entries of
+    ``tile`` with a bit among rows ``[first, first + n)`` of ``windows[h] = (first, n)``,
+    in order, their bits shifted down by ``first``. The Triton kernel derives the
+    windows itself: equal row slices (``pairs`` = 0) or flat programs."""
     bsz, n_tiles, parent_width = unions.union.shape
     device = unions.union.device
-    parts = t // rows_per_tile
-    width = min(rows_per_tile * top_k, parent_width)
-    n_sub = -(-query_length // rows_per_tile)
+    parts = len(windows)
     kernels = _union_kernels(device)
     if kernels is not None:
         union, rowbits, count = _blank_unions(bsz, n_sub, width, device)
@@ -255,17 +311,17 @@ def split_tile_unions(unions: TileUnions, rows_per_tile: int, top_k: int, query_
         with _on_device(device):
             kernels.split_unions_kernel[(n_sub, bsz)](
                 unions.union, unions.rowbits, unions.count, union, rowbits, count,
-                n_tiles, parent_width, n_sub, width,
-                SUB_T=rows_per_tile, PARTS=parts, BLOCK=_UNION_BLOCK, INTERPRET=interpreted)
+                n_tiles, parent_width, n_sub, width, group,
+                SUB_T=windows[0][1] if pairs == 0 else 1, PARTS=parts, PAIRS=pairs,
+                BLOCK=_UNION_BLOCK, INTERPRET=interpreted)
         return TileUnions(union, count, rowbits, rows_per_tile)
     valid = torch.arange(parent_width, device=device) < unions.count[..., None]
     union = torch.full((bsz, n_tiles, parts, width + 1), -1, dtype=torch.int32, device=device)
     rowbits = torch.zeros_like(union)
     count = torch.empty((bsz, n_tiles, parts), dtype=torch.int32, device=device)
-    low_bits = (1 << rows_per_tile) - 1
-    for part in range(parts):
+    for part, (first, n_rows) in enumerate(windows):
         # the arithmetic shift drags int32's sign bit (row 31) down: the mask drops it
-        bits = (unions.rowbits >> (part * rows_per_tile)) & low_bits
+        bits = (unions.rowbits >> first) & ((1 << n_rows) - 1)
         keep = valid & (bits != 0)
         slot = torch.cumsum(keep, dim=-1, dtype=torch.int32)
         count[..., part] = slot[..., -1]
@@ -281,7 +337,7 @@ def split_tile_unions(unions: TileUnions, rows_per_tile: int, top_k: int, query_
 def _unions_for(routes: torch.Tensor, kv_length: int, plan: _Plan) -> TileUnions:
     if plan.flat:
         return build_flat_unions(routes, kv_length, plan)
-    return build_tile_unions(routes, kv_length, plan.rows_per_tile)
+    return build_tile_unions(routes, kv_length, plan.union_rows or plan.rows_per_tile)
 
 
 def _check_union_arguments(routes: torch.Tensor, kv_length: int, rows_per_tile: int) -> None:
@@ -460,10 +516,16 @@ def _offsets_fit_int32(*extents: tuple[int, torch.Tensor]) -> bool:
                for rows, t in extents)
 
 
-def _forward(q, k, v, unions: TileUnions, scale: float, plan: _Plan):
-    """Forward kernel: out [B,S_q,Hq,D] (q's dtype), natural-log LSE [B,Hq,S_q] fp32."""
+def _forward(q, k, v, unions: TileUnions, scale: float, plan: _Plan, top_k: int | None = None):
+    """Forward kernel: out [B,S_q,Hq,D] (q's dtype), natural-log LSE [B,Hq,S_q] fp32.
+
+    ``unions`` are :func:`_unions_for`'s; taller than the forward's tiles (a plan with
+    ``union_rows``) they are cut to them first (``top_k``: K of the routes, which only
+    sets the width of the cut; None = the parent's width)."""
     kernels, interpreted = _load_kernels()
     bsz, s_q, hq, d = q.shape
+    if not plan.flat and unions.rows_per_tile != plan.rows_per_tile:
+        unions = split_tile_unions(unions, plan.rows_per_tile, top_k or unions.union.shape[2], s_q)
     hkv = k.shape[2]
     out = _new_buffer((bsz, s_q, hq, d), q.dtype, q.device)
     lse = _new_buffer((bsz, hq, s_q), torch.float32, q.device)
@@ -492,7 +554,10 @@ def _backward(q, k, v, out, lse, grad_out, unions: TileUnions, scale: float, pla
     leaves out the dK/dV atomics: dk, dv come back zero."""
     kernels, interpreted = _load_kernels()
     bsz, s_q, hq, d = q.shape
-    unions = split_tile_unions(unions, plan.backward_rows, top_k, s_q)
+    if plan.bwd_pairs:
+        unions = split_flat_unions(unions, plan.bwd_pairs, plan.group, top_k, s_q, plan.bwd_span)
+    else:
+        unions = split_tile_unions(unions, plan.backward_rows, top_k, s_q)
     s_kv, hkv = k.shape[1], k.shape[2]
     dq = _new_buffer((bsz, s_q, hq, d), q.dtype, q.device)
     dk = torch.zeros((bsz, s_kv, hkv, d), dtype=torch.float32, device=q.device)
@@ -504,9 +569,10 @@ def _backward(q, k, v, out, lse, grad_out, unions: TileUnions, scale: float, pla
         *lse.stride(), *dq.stride(), *dk.stride()[:3],
         s_q, n_tiles, width, hkv, plan.group, d, scale, scale * kernels.LOG2E,
     )
-    constexprs = dict(T=1 if plan.flat else plan.backward_rows, D_PAD=plan.head_dim_pad,
+    flat = plan.flat or plan.bwd_pairs > 0
+    constexprs = dict(T=1 if flat else plan.backward_rows, D_PAD=plan.head_dim_pad,
                       IEEE=interpreted or q.dtype == torch.float32, INTERPRET=interpreted,
-                      SKIP_DKDV=skip_dkdv, FLAT=plan.flat, EVEN_D=d == plan.head_dim_pad,
+                      SKIP_DKDV=skip_dkdv, FLAT=flat, EVEN_D=d == plan.head_dim_pad,
                       OFFS32=_offsets_fit_int32((s_kv, k), (s_kv, v), (s_kv, dk)))
     b = plan.blocks
     _launch(kernels.qsa_backward_kernel, args, constexprs, unions, bsz * hkv, plan.group,
@@ -520,8 +586,8 @@ class _TritonQSA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, union, count, rowbits, scale, plan, top_k):
-        unions = TileUnions(union, count, rowbits, plan.rows_per_tile)
-        out, lse = _forward(query, key, value, unions, scale, plan)
+        unions = TileUnions(union, count, rowbits, plan.union_rows or plan.rows_per_tile)
+        out, lse = _forward(query, key, value, unions, scale, plan, top_k)
         ctx.save_for_backward(query, key, value, out, lse, union, count, rowbits)
         ctx.scale, ctx.plan, ctx.top_k = scale, plan, top_k
         return out
@@ -530,7 +596,7 @@ class _TritonQSA(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         query, key, value, out, lse, union, count, rowbits = ctx.saved_tensors
-        unions = TileUnions(union, count, rowbits, ctx.plan.rows_per_tile)
+        unions = TileUnions(union, count, rowbits, ctx.plan.union_rows or ctx.plan.rows_per_tile)
         dq, dk, dv = _backward(query, key, value, out, lse, grad_out, unions, ctx.scale, ctx.plan,
                                ctx.top_k)
         return dq, dk, dv, None, None, None, None, None, None
@@ -607,7 +673,7 @@ def forward_with_residuals(query, key, value, selected_token_ids, softmax_scale:
     :func:`backward_from_residuals` (shapes: :func:`residual_shapes`). No autograd."""
     checked, plan = _setup(query, key, value, selected_token_ids, softmax_scale)
     unions = _unions_for(selected_token_ids, checked.dims.kv_length, plan)
-    out, lse = _forward(query, key, value, unions, checked.scale, plan)
+    out, lse = _forward(query, key, value, unions, checked.scale, plan, selected_token_ids.shape[2])
     return out, lse, unions.union, unions.count, unions.rowbits
 
 
@@ -615,8 +681,9 @@ def residual_shapes(query, key, selected_token_ids) -> list[tuple[tuple[int, ...
     """Shapes and dtypes of :func:`forward_with_residuals`'s results, from metadata only."""
     bsz, s_q, hq, _ = query.shape
     plan = _default_plan(query, key)
-    n_tiles = plan.n_tiles(s_q)
-    width = min(plan.rows_per_tile * selected_token_ids.shape[2], key.shape[1])
+    n_tiles = plan.n_union_tiles(s_q)
+    rows = plan.rows_per_tile if plan.flat else plan.union_rows or plan.rows_per_tile
+    width = min(rows * selected_token_ids.shape[2], key.shape[1])
     return [(tuple(query.shape), query.dtype), ((bsz, hq, s_q), torch.float32),
             ((bsz, n_tiles, width), torch.int32), ((bsz, n_tiles), torch.int32),
             ((bsz, n_tiles, width), torch.int32)]
@@ -627,5 +694,5 @@ def backward_from_residuals(grad_out, query, key, value, out, lse, union, count,
     """``(dq, dk, dv)`` from :func:`forward_with_residuals`'s results (same inputs;
     ``top_k``: K of their ``[B, S_q, K]`` routes)."""
     plan = _default_plan(query, key)
-    unions = TileUnions(union, count, rowbits, plan.rows_per_tile)
+    unions = TileUnions(union, count, rowbits, plan.union_rows or plan.rows_per_tile)
     return _backward(query, key, value, out, lse, grad_out, unions, softmax_scale, plan, top_k)

@@ -530,3 +530,69 @@ def test_default_block_sizes_in_interpret_mode():
     assert plan.backward_rows < plan.rows_per_tile
     _check_against_oracle(problem.routes, problem.kv_length, (12, 1), 256, "float32",
                           triton_qsa.DEFAULT_BLOCK_SIZES, rng, 0.1)
+
+
+@pytest.mark.parametrize("triton_unions", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("group, rows, pairs, s_q", [
+    (12, 16, 64, 45),  # the H200 shape: 192 pairs per 16-row tile = 3 programs of 64
+    (6, 32, 64, 70),  # 192 pairs per 32-row tile, row 31 routed
+    (3, 16, 16, 33),
+])
+def test_flat_unions_cut_from_tile_unions(monkeypatch, group, rows, pairs, s_q, triton_unions):
+    """Where a tile's rows x G pairs hold whole flat programs, cutting the tile unions
+    gives exactly the unions build_flat_unions sorts for those programs."""
+    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "triton_unions", triton_unions)
+    rng = _fresh_rng()
+    kv_length, width = 50, 7
+    routes = np.concatenate([
+        adversarial_routes(kv_length, width=width, rng=rng)[None, :min(s_q, kv_length)],
+        rng.integers(0, kv_length, size=(1, min(s_q, kv_length), width)),
+    ])
+    s_q = routes.shape[1]
+    raw = torch.from_numpy(routes).to(DEVICE)
+    plan = triton_qsa._make_plan(group, 16, BlockSizes(block_m=pairs, flatten_heads=True))
+    assert plan.flat and plan.fwd_heads == pairs
+    want = _to_cpu(triton_qsa.build_flat_unions(raw, kv_length, plan))
+    tiles = build_tile_unions(raw, kv_length, rows)
+    got = _to_cpu(triton_qsa.split_flat_unions(tiles, pairs, group, width, s_q, plan.rows_per_tile))
+    assert got.rows_per_tile == want.rows_per_tile
+    assert got.union.shape == want.union.shape
+    assert torch.equal(got.count, want.count)
+    assert torch.equal(got.union, want.union)
+    assert torch.equal(got.rowbits, want.rowbits)
+    with pytest.raises(ValueError, match="whole programs"):
+        triton_qsa.split_flat_unions(build_tile_unions(raw, kv_length, 1), 64, 12, width, s_q, 8)
+
+
+def test_flat_backward_plans():
+    blocks = dataclasses.replace(triton_qsa.DEFAULT_BLOCK_SIZES, backward_flatten_heads=True)
+    plan = triton_qsa._make_plan(12, 256, blocks)  # the H200 shape
+    assert (plan.rows_per_tile, plan.fwd_heads, plan.union_rows, plan.bwd_pairs, plan.bwd_span) == (
+        8, 16, 16, 64, 8)
+    plan = triton_qsa._make_plan(6, 256, blocks)  # 16-row tiles, unions of 32 rows
+    assert (plan.rows_per_tile, plan.union_rows, plan.bwd_pairs) == (16, 32, 64)
+    for group in (3, 4):  # no tile of <= 32 rows holds whole 64-pair programs / no padding
+        plan = triton_qsa._make_plan(group, 256, blocks)
+        assert plan.bwd_pairs == 0 and plan.union_rows == 0
+
+
+@pytest.mark.parametrize("heads, layout, family", [
+    ((12, 1), "packed", "qsa"),
+    ((24, 2), "padded", "adversarial"),
+    ((6, 2), "cp", "random"),
+])
+def test_flat_backward_against_the_oracle(heads, layout, family):
+    """backward_flatten_heads: padded forward tiles cut from taller unions, flat backward
+    programs cut from the same unions; out and every gradient match the oracle and
+    empty rows stay exact zeros."""
+    rng = _fresh_rng()
+    problem = make_problem(layout, family, seed=int(rng.integers(2**31)), seq_len=42,
+                           **(dict(top_k=3) if family == "qsa" else dict(width=7)))
+    blocks = BlockSizes(block_m=64, block_k=16, num_warps=2, num_stages=1, backward_block_m=32,
+                        backward_block_k=16, backward_num_warps=2, backward_num_stages=1,
+                        backward_flatten_heads=True)
+    plan = triton_qsa._make_plan(heads[0] // heads[1], 16, blocks)
+    assert plan.bwd_pairs == 32 and plan.union_rows > plan.rows_per_tile
+    got = _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks, rng, 0.3)
+    empty = ~membership(problem.routes, problem.kv_length).any(-1)
+    assert np.all(got[0][empty] == 0) and np.all(got[1][empty] == 0)

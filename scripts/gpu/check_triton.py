@@ -218,10 +218,11 @@ class Bench:
         plan = tq._make_plan(12, self.head_dim, blocks)
 
         def preprocess():  # what triton_sparse_gqa_attention does before its kernels
-            return tq.build_tile_unions(self.routes, self.kv_length, plan.rows_per_tile)
+            return tq._unions_for(self.routes, self.kv_length, plan)
 
         unions = preprocess()
-        out, lse = tq._forward(self.q, self.k, self.v, unions, self.scale, plan)
+        top_k = self.routes.shape[2]
+        out, lse = tq._forward(self.q, self.k, self.v, unions, self.scale, plan, top_k)
         leaves = [t.detach().clone().requires_grad_(True) for t in (self.q, self.k, self.v)]
 
         def fwd():
@@ -235,7 +236,7 @@ class Bench:
         row = {
             "preprocess_ms": _time_ms(preprocess, self.reps),
             "forward_kernel_ms": _time_ms(
-                lambda: tq._forward(self.q, self.k, self.v, unions, self.scale, plan), self.reps),
+                lambda: tq._forward(self.q, self.k, self.v, unions, self.scale, plan, top_k), self.reps),
             "backward_kernel_ms": _time_ms(
                 lambda: tq._backward(self.q, self.k, self.v, out, lse, self.do, unions, self.scale, plan,
                                      self.routes.shape[2]),

@@ -103,13 +103,14 @@ def torch_part(routes_np, s, n_routes):
     def fwd(**kw):
         plan = plan_for(**kw)
         unions = tq._unions_for(routes, s, plan)
-        out, lse = tq._forward(q, k, v, unions, 1 / 16, plan)
-        fwd_cache[plan.flat, plan.rows_per_tile] = (unions, out, lse)
-        ms = bench(lambda: tq._forward(q, k, v, unions, 1 / 16, plan))
+        out, lse = tq._forward(q, k, v, unions, 1 / 16, plan, routes.shape[2])
+        fwd_cache[plan.flat, plan.rows_per_tile, plan.union_rows] = (unions, out, lse)
+        ms = bench(lambda: tq._forward(q, k, v, unions, 1 / 16, plan, routes.shape[2]))
         return dict(ms=ms, useful_tflops=flops / ms / 1e9, T=plan.rows_per_tile, HB=plan.fwd_heads,
                     union_ms=bench(lambda: tq._unions_for(routes, s, plan)))
 
-    for name, kw in (("default", {}), ("flat", dict(flatten_heads=True))):
+    for name, kw in (("default", {}), ("flat", dict(flatten_heads=True)),
+                     ("flat_backward", dict(backward_flatten_heads=True))):
         record("torch_fwd_kernel", name, lambda kw=kw: fwd(**kw))
 
     top_k = routes.shape[2]
@@ -134,9 +135,9 @@ def torch_part(routes_np, s, n_routes):
 
     def bwd(skip=False, **kw):
         plan = plan_for(**kw)
-        if (plan.flat, plan.rows_per_tile) not in fwd_cache:
+        if (plan.flat, plan.rows_per_tile, plan.union_rows) not in fwd_cache:
             fwd(**kw)
-        unions, out, lse = fwd_cache[plan.flat, plan.rows_per_tile]
+        unions, out, lse = fwd_cache[plan.flat, plan.rows_per_tile, plan.union_rows]
         run = lambda: tq._backward(q, k, v, out, lse, do, unions, 1 / 16, plan, top_k,  # noqa: E731
                                    skip_dkdv=skip)
         ms = bench(run)
@@ -148,7 +149,8 @@ def torch_part(routes_np, s, n_routes):
     for name, kw in (("default", {}),
                      ("default_no_atomic_traffic", dict(skip=True)),
                      ("k32", dict(backward_block_k=32)),
-                     ("flat_bm64_k64", dict(flat64, backward_block_k=64))):
+                     ("flat_bm64_k64", dict(flat64, backward_block_k=64)),
+                     ("flat_backward", dict(backward_flatten_heads=True))):
         record("torch_bwd_kernel", name, lambda kw=kw: bwd(**kw))
 
     def end_to_end(opts=None, **kw):
@@ -166,7 +168,8 @@ def torch_part(routes_np, s, n_routes):
             return dict(fwd_ms=fwd_ms, fwdbwd_ms=bench(step))
 
     for name, kw in (("default", {}), ("torch_union_ops", dict(opts=dict(triton_unions=False))),
-                     ("flat_bm64_k64", dict(flat64, backward_block_k=64))):
+                     ("flat_bm64_k64", dict(flat64, backward_block_k=64)),
+                     ("flat_backward", dict(backward_flatten_heads=True))):
         record("torch_end_to_end", name, lambda kw=kw: end_to_end(**kw))
 
     def api_op_pair():
