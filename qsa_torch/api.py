@@ -124,14 +124,23 @@ def device_class(device: torch.device) -> str:
     return "cuda"
 
 
-# dynamo cannot trace importlib (a graph break in "auto" under torch.compile on the H200);
-# the answer is a constant of the environment, so it is evaluated once while tracing
-@torch.compiler.assume_constant_result
-def _has_module(name: str) -> bool:
+def _find_module(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):  # a parent package is missing or broken
         return False
+
+
+# Whether each optional runtime is installed, looked up once here (find_spec imports
+# nothing but parent packages, all already loaded): dynamo cannot trace importlib (a
+# graph break in "auto" under torch.compile on the H200, torch 2.11), a dict it can.
+_RUNTIME_PRESENT: dict[str, bool] = {runtime: _find_module(runtime) for runtime in _RUNTIME.values()}
+
+
+def _has_module(name: str) -> bool:
+    if name not in _RUNTIME_PRESENT:  # pragma: no cover - every runtime is looked up above
+        _RUNTIME_PRESENT[name] = _find_module(name)
+    return _RUNTIME_PRESENT[name]
 
 
 def unsupported_reason(
