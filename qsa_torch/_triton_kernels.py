@@ -8,8 +8,11 @@ rows are the (query row, head) pairs, ordered row-major (m = t * HB + j). It wal
 the tile's sorted route union in chunks of BLOCK_K IDs, gathering each K/V row once
 for all M rows and masking entry (m, u) by bit t of ``rowbits[u]``.
 
-Pointer arithmetic is int64 throughout; gathered IDs are clamped before an address
-is formed (union entries past ``count`` are -1) and the loads are masked after.
+Per-program base pointers are formed in int64; the per-element offsets of the K/V
+gathers and dK/dV adds are int32 when the host has checked that every one fits
+(``OFFS32``), else int64. Gathered IDs are clamped to 0 before an address is formed
+(union entries past ``count`` are -1) and the loads are masked after. The union
+kernels at the end build and cut the tile unions themselves.
 """
 
 from __future__ import annotations
@@ -179,7 +182,7 @@ def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
         # so no atomic reaches memory. The condition is on a stride argument, whose sign
         # the compiler cannot know (``count < 0`` could be folded inside the loop over
         # count, and the dK/dV dots dropped with it).
-        kv_mask = kv_mask & (tl.full([BLOCK_K], sdk_s, tl.int32) < 0)[:, None]
+        kv_mask = kv_mask & (tl.full([BLOCK_K], sdk_s, tl.int64) < 0)[:, None]
     # rows past count carry zeros and are masked: they add nothing. Each [BLOCK_K, D]
     # block is added as soon as it is computed, so only one of them holds registers.
     acc_off = rows[:, None] * sdk_s + d[None, :]
@@ -389,17 +392,17 @@ def split_unions_kernel(UNION, ROWBITS, COUNT, SUB_UNION, SUB_ROWBITS, SUB_COUNT
         start = 0
         while start < count:
             carry = _split_step(start, count, UNION + parent * width, ROWBITS + parent * width,
-                                SUB_UNION + out, SUB_ROWBITS + out, shift, mask, carry, BLOCK)
+                                SUB_UNION + out, SUB_ROWBITS + out, sub_width, shift, mask, carry, BLOCK)
             start += BLOCK
     else:
         for start in range(0, count, BLOCK):
             carry = _split_step(start, count, UNION + parent * width, ROWBITS + parent * width,
-                                SUB_UNION + out, SUB_ROWBITS + out, shift, mask, carry, BLOCK)
+                                SUB_UNION + out, SUB_ROWBITS + out, sub_width, shift, mask, carry, BLOCK)
     tl.store(SUB_COUNT + b * n_sub + sub + tl.arange(0, 1), tl.full([1], 0, tl.int32) + carry)
 
 
 @triton.jit
-def _split_step(start, count, union, rowbits, sub_union, sub_rowbits, shift, mask, carry,
+def _split_step(start, count, union, rowbits, sub_union, sub_rowbits, sub_width, shift, mask, carry,
                 BLOCK: tl.constexpr):
     u = start + tl.arange(0, BLOCK)
     u_ok = u < count
@@ -408,6 +411,7 @@ def _split_step(start, count, union, rowbits, sub_union, sub_rowbits, shift, mas
     bits = (tl.load(rowbits + u, mask=u_ok, other=0) >> shift) & mask
     keep = u_ok & (bits != 0)
     slot = carry + tl.associative_scan(keep.to(tl.int32), 0, _SUM) - 1
-    tl.store(sub_union + slot, ids, mask=keep)
-    tl.store(sub_rowbits + slot, bits, mask=keep)
+    # the host sizes sub-unions from K; the bound only keeps a wrong K inside memory
+    tl.store(sub_union + slot, ids, mask=keep & (slot < sub_width))
+    tl.store(sub_rowbits + slot, bits, mask=keep & (slot < sub_width))
     return carry + tl.reduce(keep.to(tl.int32), 0, _SUM)

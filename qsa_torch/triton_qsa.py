@@ -33,8 +33,6 @@ __all__ = [
     "TileUnions",
     "build_tile_unions",
     "default_block_sizes",
-    "split_flat_unions",
-    "split_tile_unions",
     "triton_sparse_gqa_attention",
 ]
 
@@ -64,7 +62,7 @@ class BlockSizes:
     (``backward_rows_per_tile`` None) a backward program keeps all G_pad heads of a
     tile and takes T_b = backward_block_m // G_pad of its rows: each forward tile is
     cut into T / T_b backward tiles, whose unions come out of the forward's
-    (:func:`split_tile_unions`, no second sort). ``backward_rows_per_tile`` sets T_b
+    (``_split_tile_unions``, no second sort). ``backward_rows_per_tile`` sets T_b
     instead; heads are split over several programs when T_b * G_pad is more than
     ``backward_block_m``. All block sizes are powers of two >= 16.
     ``flatten_heads``: when G is not a power of two, every program (forward and
@@ -76,8 +74,8 @@ class BlockSizes:
     programs take ``backward_block_m`` consecutive pairs each, their unions cut out of
     the unions of tiles of T_u rows (T_u: the smallest power-of-two multiple of T whose
     T_u * G pairs hold whole programs, at most 32; the forward's T-row unions are then
-    cut from those too). Where no such T_u exists the backward stays padded. Built and
-    tested, not yet timed on a GPU.
+    cut from those too; ``backward_rows_per_tile`` then does not apply). Where no such
+    T_u exists the backward stays padded. Built and tested, not yet timed on a GPU.
     """
 
     block_m: int = 128
@@ -226,9 +224,11 @@ def build_tile_unions(routes: torch.Tensor, kv_length: int, rows_per_tile: int) 
     ``[0, kv_length)`` (negative, past the end, huge int64) are padding and repeated
     IDs count once, so no :func:`qsa_torch.routes.normalize_routes` pass (a sort of
     every row) is needed first. ``rows_per_tile`` T is a power of two <= 32. The last
-    tile is padded with empty rows. One segmented sort of the ``T * K`` keys
-    ``id * T + t`` per tile gives the union in order and, for every key, the union
-    slot of its ID.
+    tile is padded with empty rows. Sorting the ``T * K`` keys ``id * T + t`` of each
+    tile (flat radix sorts of many tiles at once, the tile's index in the high bits)
+    gives the union in order; one pass over the sorted keys (a Triton kernel where
+    Triton runs, else torch ops) marks each ID's first key, numbers the slots by a
+    prefix count and ORs the row bits.
     """
     _check_union_arguments(routes, kv_length, rows_per_tile)
     bsz, s_q, k = routes.shape
@@ -256,10 +256,12 @@ def build_flat_unions(routes: torch.Tensor, kv_length: int, plan: _Plan) -> Tile
     return _unions_of_row_groups(grouped, kv_length)
 
 
-def split_tile_unions(unions: TileUnions, rows_per_tile: int, top_k: int, query_length: int) -> TileUnions:
+def _split_tile_unions(unions: TileUnions, rows_per_tile: int, top_k: int, query_length: int) -> TileUnions:
     """The unions of tiles of ``rows_per_tile`` rows, cut out of coarser ones.
 
-    ``unions`` are of tiles of T rows (:func:`build_tile_unions` of ``[B, S_q, K]``
+    Internal: ``top_k`` must be the K of the routes the unions came from (it sizes
+    the result; the kernel never writes past that size, but a smaller K would drop
+    IDs). ``unions`` are of tiles of T rows (:func:`build_tile_unions` of ``[B, S_q, K]``
     routes with K = ``top_k`` and S_q = ``query_length``); T' = ``rows_per_tile`` is a
     power of two dividing T. Sub-tile h of a tile keeps, in order, the IDs whose
     ``rowbits`` have a bit among rows ``[h * T', (h + 1) * T')`` and those bits shifted
@@ -271,12 +273,13 @@ def split_tile_unions(unions: TileUnions, rows_per_tile: int, top_k: int, query_
         return unions
     if rows_per_tile < 1 or rows_per_tile > t or t % rows_per_tile:
         raise ValueError(f"rows_per_tile must be a power of two dividing {t}, got {rows_per_tile}")
+    _check_top_k(unions, top_k)
     windows = [(part * rows_per_tile, rows_per_tile) for part in range(t // rows_per_tile)]
     return _cut_unions(unions, windows, -(-query_length // rows_per_tile),
                        min(rows_per_tile * top_k, unions.union.shape[2]), rows_per_tile, pairs=0, group=1)
 
 
-def split_flat_unions(unions: TileUnions, pairs: int, group: int, top_k: int, query_length: int,
+def _split_flat_unions(unions: TileUnions, pairs: int, group: int, top_k: int, query_length: int,
                       span: int) -> TileUnions:
     """Flat unions (:func:`build_flat_unions`: programs of ``pairs`` consecutive (query
     row, head) pairs, G = ``group``) cut out of the unions of T-row tiles, when each
@@ -285,6 +288,7 @@ def split_flat_unions(unions: TileUnions, pairs: int, group: int, top_k: int, qu
     ``span``: the power of two bounding those rows (the flat plan's rows_per_tile);
     width ``min(span * K, W)``."""
     t = unions.rows_per_tile
+    _check_top_k(unions, top_k)
     if (t * group) % pairs:
         raise ValueError(f"tiles of {t} rows x {group} heads do not hold whole programs of {pairs} pairs")
     windows = []
@@ -293,6 +297,13 @@ def split_flat_unions(unions: TileUnions, pairs: int, group: int, top_k: int, qu
         windows.append((first_row, last_row - first_row + 1))
     return _cut_unions(unions, windows, -(-query_length * group // pairs),
                        min(span * top_k, unions.union.shape[2]), span, pairs=pairs, group=group)
+
+
+def _check_top_k(unions: TileUnions, top_k: int) -> None:
+    """Catches a K too small for the unions' width (W = min(T * K, S_kv) >= T * K fails)."""
+    if not isinstance(top_k, int) or top_k < 1 or top_k * unions.rows_per_tile < unions.union.shape[2]:
+        raise ValueError(f"top_k {top_k!r} is not the K of routes whose {unions.rows_per_tile}-row "
+                         f"unions are {unions.union.shape[2]} wide")
 
 
 def _cut_unions(unions: TileUnions, windows: list[tuple[int, int]], n_sub: int, width: int,
@@ -359,18 +370,31 @@ def _unions_of_row_groups(grouped: torch.Tensor, kv_length: int) -> TileUnions:
     shift = t.bit_length() - 1
     sentinel = kv_length * t  # past every (ID, row) key: sorts to the end of its tile
     key_bits = sentinel.bit_length()
-    # One flat sort of (group, ID, row) keys, the group index in the high bits, instead
-    # of a segmented sort per group: a plain radix sort of every key at once.
-    group_bits = max(1, (bsz * n_tiles - 1).bit_length())
-    if key_bits + group_bits > 62:  # pragma: no cover - needs > 2**62 keys of address space
-        raise ValueError(f"tile unions of {bsz * n_tiles} groups over kv_length {kv_length} need "
-                         "sort keys wider than 62 bits")
-    key_dtype = torch.int32 if key_bits + group_bits <= 31 else torch.int64
+    # Flat sorts of (group, ID, row) keys, the group's index in the high bits, instead
+    # of a segmented sort per group: a plain radix sort of many groups at once. Each
+    # sort takes whole groups, at most torch.sort's 2**31 - 1 elements, and, where
+    # that leaves a sort at least _MIN_GROUPS_PER_SORT groups, few enough for int32 keys.
+    n_groups, per_group = bsz * n_tiles, t * k
+    most = max(1, (2**31 - 1) // per_group)
+    int32_groups = 1 << (31 - key_bits) if key_bits < 31 else 0
+    if int32_groups >= min(n_groups, _MIN_GROUPS_PER_SORT):
+        per_sort, key_dtype = min(n_groups, most, int32_groups), torch.int32
+    else:
+        per_sort, key_dtype = min(n_groups, most), torch.int64
+    if key_bits + max(1, (per_sort - 1).bit_length()) > 62:  # pragma: no cover - > 2**62 keys
+        raise ValueError(f"tile unions over kv_length {kv_length} need sort keys wider than 62 bits")
     ids = torch.where(valid, grouped, torch.zeros((), dtype=grouped.dtype, device=device)).to(key_dtype)
     rows = torch.arange(t, device=device, dtype=key_dtype).view(1, 1, t, 1)
     low = torch.where(valid, (ids << shift) + rows, torch.full((), sentinel, dtype=key_dtype, device=device))
-    group = torch.arange(bsz * n_tiles, device=device, dtype=key_dtype).view(bsz, n_tiles, 1, 1)
-    keys = torch.sort(((group << key_bits) | low).reshape(-1)).values.view(bsz, n_tiles, t * k)
+    group = (torch.arange(n_groups, device=device, dtype=key_dtype) % per_sort).view(bsz, n_tiles, 1, 1)
+    keys = ((group << key_bits) | low).reshape(-1)
+    step = per_sort * per_group
+    if step >= keys.numel():
+        keys = torch.sort(keys).values
+    else:
+        for start in range(0, keys.numel(), step):
+            keys[start:start + step] = torch.sort(keys[start:start + step]).values
+    keys = keys.view(bsz, n_tiles, per_group)
     width = min(t * k, kv_length)
     kernels = _union_kernels(device)
     if kernels is not None:
@@ -403,6 +427,7 @@ def _unions_of_row_groups(grouped: torch.Tensor, kv_length: int) -> TileUnions:
 
 
 _UNION_BLOCK = 1024  # keys (IDs) per step of the union kernels
+_MIN_GROUPS_PER_SORT = 256  # fewer tiles per int32 sort: one int64 sort instead
 
 
 def _union_kernels(device: torch.device):
@@ -512,7 +537,7 @@ def _offsets_fit_int32(*extents: tuple[int, torch.Tensor]) -> bool:
     ``(rows, tensor)`` pair (rows: how many rows along dim 1 are addressed) fits int32."""
     if not KERNEL_OPTIONS["offs32"]:
         return False
-    return all((rows - 1) * t.stride(1) + (t.shape[3] - 1) * t.stride(3) < 2**31 - 1
+    return all((rows - 1) * t.stride(1) + (t.shape[3] - 1) * t.stride(3) <= 2**31 - 1
                for rows, t in extents)
 
 
@@ -525,7 +550,7 @@ def _forward(q, k, v, unions: TileUnions, scale: float, plan: _Plan, top_k: int 
     kernels, interpreted = _load_kernels()
     bsz, s_q, hq, d = q.shape
     if not plan.flat and unions.rows_per_tile != plan.rows_per_tile:
-        unions = split_tile_unions(unions, plan.rows_per_tile, top_k or unions.union.shape[2], s_q)
+        unions = _split_tile_unions(unions, plan.rows_per_tile, top_k or unions.union.shape[2], s_q)
     hkv = k.shape[2]
     out = _new_buffer((bsz, s_q, hq, d), q.dtype, q.device)
     lse = _new_buffer((bsz, hq, s_q), torch.float32, q.device)
@@ -555,9 +580,9 @@ def _backward(q, k, v, out, lse, grad_out, unions: TileUnions, scale: float, pla
     kernels, interpreted = _load_kernels()
     bsz, s_q, hq, d = q.shape
     if plan.bwd_pairs:
-        unions = split_flat_unions(unions, plan.bwd_pairs, plan.group, top_k, s_q, plan.bwd_span)
+        unions = _split_flat_unions(unions, plan.bwd_pairs, plan.group, top_k, s_q, plan.bwd_span)
     else:
-        unions = split_tile_unions(unions, plan.backward_rows, top_k, s_q)
+        unions = _split_tile_unions(unions, plan.backward_rows, top_k, s_q)
     s_kv, hkv = k.shape[1], k.shape[2]
     dq = _new_buffer((bsz, s_q, hq, d), q.dtype, q.device)
     dk = torch.zeros((bsz, s_kv, hkv, d), dtype=torch.float32, device=q.device)

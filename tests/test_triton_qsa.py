@@ -35,7 +35,7 @@ from qsa_torch.routes import normalize_routes, to_torch_routes  # noqa: E402
 from qsa_torch.triton_qsa import (  # noqa: E402
     BlockSizes,
     build_tile_unions,
-    split_tile_unions,
+    _split_tile_unions,
     triton_sparse_gqa_attention,
 )
 
@@ -433,7 +433,7 @@ def test_flat_unions_match_brute_force():
 
 @pytest.mark.parametrize("rows, sub_rows, s_q, kv_length", [
     (8, 4, 45, 50),  # last tile partly empty, widths T * K and T' * K
-    (32, 4, 30, 30),  # row 31 (int32's sign bit) routed; both widths capped at S_kv
+    (32, 4, 45, 30),  # row 31 (int32's sign bit) routed; both widths capped at S_kv
     (16, 1, 33, 200),
 ])
 @pytest.mark.parametrize("triton_unions", [True, False], ids=["triton", "torch"])
@@ -445,22 +445,24 @@ def test_split_unions_equal_unions_built_at_the_finer_tiling(monkeypatch, rows, 
     monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "triton_unions", triton_unions)
     rng = _fresh_rng()
     width = 9
-    routes = np.concatenate([
-        adversarial_routes(kv_length, width=width, rng=rng)[None, :s_q],
-        rng.integers(0, kv_length, size=(1, s_q, width)),
+    routes = np.stack([  # adversarial rows repeated down to s_q rows, and every row routed
+        np.resize(adversarial_routes(kv_length, width=width, rng=rng), (s_q, width)),
+        rng.integers(0, kv_length, size=(s_q, width)),
     ])
     raw = torch.from_numpy(routes).to(DEVICE)
     coarse = build_tile_unions(raw, kv_length, rows)
+    if rows == 32:
+        assert (coarse.rowbits < 0).any(), "row 31's bit (int32's sign) should be set somewhere"
     want = build_tile_unions(raw, kv_length, sub_rows)
-    got = split_tile_unions(coarse, sub_rows, width, s_q)
+    got = _split_tile_unions(coarse, sub_rows, width, s_q)
     assert got.rows_per_tile == sub_rows
     assert torch.equal(got.count, want.count)
     assert got.union.shape == want.union.shape
     assert torch.equal(got.union, want.union)
     assert torch.equal(got.rowbits, want.rowbits)
-    assert split_tile_unions(coarse, rows, width, s_q) is coarse
+    assert _split_tile_unions(coarse, rows, width, s_q) is coarse
     with pytest.raises(ValueError):
-        split_tile_unions(coarse, rows * 2, width, s_q)
+        _split_tile_unions(coarse, rows * 2, width, s_q)
 
 
 @pytest.mark.parametrize("heads, layout, family", [
@@ -502,8 +504,9 @@ def test_offsets_fit_int32_checks_the_largest_offset(monkeypatch):
     small = torch.empty(1, 8, 2, 16)
     assert triton_qsa._offsets_fit_int32((8, small))
     wide = torch.empty(1, 2**27, 1, 16, device="meta")  # strides (2**31, 16, 16, 1)
-    assert not triton_qsa._offsets_fit_int32((2**27, wide))  # (2**27 - 1) * 16 + 15 >= 2**31 - 1
-    assert triton_qsa._offsets_fit_int32((2**27 - 1, wide))
+    assert triton_qsa._offsets_fit_int32((2**27, wide))  # (2**27 - 1) * 16 + 15 == 2**31 - 1
+    wider = torch.empty(1, 2**27 + 1, 1, 16, device="meta")
+    assert not triton_qsa._offsets_fit_int32((2**27 + 1, wider))
     monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "offs32", False)
     assert not triton_qsa._offsets_fit_int32((8, small))
 
@@ -544,24 +547,23 @@ def test_flat_unions_cut_from_tile_unions(monkeypatch, group, rows, pairs, s_q, 
     monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "triton_unions", triton_unions)
     rng = _fresh_rng()
     kv_length, width = 50, 7
-    routes = np.concatenate([
-        adversarial_routes(kv_length, width=width, rng=rng)[None, :min(s_q, kv_length)],
-        rng.integers(0, kv_length, size=(1, min(s_q, kv_length), width)),
+    routes = np.stack([
+        np.resize(adversarial_routes(kv_length, width=width, rng=rng), (s_q, width)),
+        rng.integers(0, kv_length, size=(s_q, width)),
     ])
-    s_q = routes.shape[1]
     raw = torch.from_numpy(routes).to(DEVICE)
     plan = triton_qsa._make_plan(group, 16, BlockSizes(block_m=pairs, flatten_heads=True))
     assert plan.flat and plan.fwd_heads == pairs
     want = _to_cpu(triton_qsa.build_flat_unions(raw, kv_length, plan))
     tiles = build_tile_unions(raw, kv_length, rows)
-    got = _to_cpu(triton_qsa.split_flat_unions(tiles, pairs, group, width, s_q, plan.rows_per_tile))
+    got = _to_cpu(triton_qsa._split_flat_unions(tiles, pairs, group, width, s_q, plan.rows_per_tile))
     assert got.rows_per_tile == want.rows_per_tile
     assert got.union.shape == want.union.shape
     assert torch.equal(got.count, want.count)
     assert torch.equal(got.union, want.union)
     assert torch.equal(got.rowbits, want.rowbits)
     with pytest.raises(ValueError, match="whole programs"):
-        triton_qsa.split_flat_unions(build_tile_unions(raw, kv_length, 1), 64, 12, width, s_q, 8)
+        triton_qsa._split_flat_unions(build_tile_unions(raw, kv_length, 1), 64, 12, width, s_q, 8)
 
 
 def test_flat_backward_plans():
@@ -596,3 +598,28 @@ def test_flat_backward_against_the_oracle(heads, layout, family):
     got = _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks, rng, 0.3)
     empty = ~membership(problem.routes, problem.kv_length).any(-1)
     assert np.all(got[0][empty] == 0) and np.all(got[1][empty] == 0)
+
+
+@pytest.mark.parametrize("triton_unions", [True, False], ids=["triton", "torch"])
+def test_tile_unions_over_several_sorts(monkeypatch, triton_unions):
+    """Keys of 29 bits leave room for 4 tiles per int32 sort: with the minimum lowered
+    to 4, 10 one-row tiles take three sorts; the unions are still every row's sorted
+    distinct IDs (at 256, the default minimum, they take one int64 sort)."""
+    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "triton_unions", triton_unions)
+    rng = _fresh_rng()
+    kv_length = 2**28 - 3
+    routes = rng.integers(-2, kv_length + 2, size=(1, 10, 4))
+    routes[0, 7, 1] = routes[0, 7, 0]
+    routes[0, 3, :] = kv_length - 1
+    raw = torch.from_numpy(routes).to(DEVICE)
+    once = _to_cpu(build_tile_unions(raw, kv_length, 1))
+    monkeypatch.setattr(triton_qsa, "_MIN_GROUPS_PER_SORT", 4)
+    unions = _to_cpu(build_tile_unions(raw, kv_length, 1))
+    for row in range(10):
+        ids = np.unique(routes[0, row][(routes[0, row] >= 0) & (routes[0, row] < kv_length)])
+        n = int(unions.count[0, row])
+        assert unions.union[0, row, :n].tolist() == ids.tolist()
+        assert np.all(unions.rowbits[0, row, :n].numpy() == 1)
+        assert np.all(unions.union[0, row, n:].numpy() == -1)
+    for a, b in zip((once.union, once.count, once.rowbits), (unions.union, unions.count, unions.rowbits)):
+        assert torch.equal(a, b)

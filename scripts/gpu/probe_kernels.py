@@ -128,7 +128,7 @@ def torch_part(routes_np, s, n_routes):
         with options(**opts):
             u = tq.build_tile_unions(routes, s, rows)
             return dict(build_ms=bench(lambda: tq.build_tile_unions(routes, s, rows)),
-                        split_to_4_ms=bench(lambda: tq.split_tile_unions(u, 4, top_k, s)))
+                        split_to_4_ms=bench(lambda: tq._split_tile_unions(u, 4, top_k, s)))
 
     record("torch_unions", "triton_kernels", unions)
     record("torch_unions", "torch_ops", lambda: unions(triton_unions=False))
