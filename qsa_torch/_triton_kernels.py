@@ -324,6 +324,30 @@ def qsa_backward_kernel(
 # and each key ORs its row's bit into its slot (OR is idempotent, so repeated (ID, row)
 # keys need no care).
 @triton.jit
+def union_keys_kernel(ROUTES, KEYS, s_q, k, kv_length, n_tiles, sr_b, sr_s, sr_k, per_sort, sentinel,
+                      T: tl.constexpr, SHIFT: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (group, chunk): BLOCK of the T * K sort keys of one tile (group = batch
+    row * n_tiles + tile), straight from the routes ``[B, S_q, K]`` (any strides, int32
+    or int64): key i is row ``i // K`` of the tile, route ``i % K``;
+    ``(group % per_sort) << KEY_BITS | (id << SHIFT | row)``, or ``sentinel`` in the low
+    bits where the ID is outside [0, kv_length) or the row is past S_q."""
+    group = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_range = i < T * k
+    t = i // k
+    row = (group % n_tiles) * T + t
+    row_ok = in_range & (row < s_q)
+    ptr = ROUTES + (group // n_tiles) * sr_b + row.to(tl.int64) * sr_s + (i % k).to(tl.int64) * sr_k
+    ids = tl.load(ptr, mask=row_ok, other=-1)
+    # compared in the routes' dtype: huge int64 IDs must not wrap into range
+    valid = row_ok & (ids >= 0) & (ids < kv_length)
+    key_type = KEYS.dtype.element_ty
+    low = tl.where(valid, (tl.where(valid, ids, 0).to(key_type) << SHIFT) + t.to(key_type), sentinel)
+    high = (group % per_sort).to(key_type) << KEY_BITS
+    tl.store(KEYS + group * (T * k) + i, high | low.to(key_type), mask=in_range)
+
+
+@triton.jit
 def union_from_sorted_kernel(KEYS, UNION, ROWBITS, COUNT, n_keys, width, low_mask, sentinel,
                              SHIFT: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """One program per group: KEYS [n_groups, n_keys] ascending per group, each

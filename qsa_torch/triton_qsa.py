@@ -234,6 +234,16 @@ def build_tile_unions(routes: torch.Tensor, kv_length: int, rows_per_tile: int) 
     bsz, s_q, k = routes.shape
     t = rows_per_tile
     n_tiles = -(-s_q // t)
+    kernels = _union_kernels(routes.device)
+    if kernels is not None:  # the keys straight from the routes, in one pass
+        keys = _KeyPlan.make(bsz * n_tiles, t, k, kv_length)
+        out = torch.empty(bsz * n_tiles * t * k, dtype=keys.dtype, device=routes.device)
+        _, interpreted = _load_kernels()
+        with _on_device(routes.device):
+            kernels.union_keys_kernel[(bsz * n_tiles, -(-(t * k) // _UNION_BLOCK))](
+                routes, out, s_q, k, kv_length, n_tiles, *routes.stride(), keys.per_sort, keys.sentinel,
+                T=t, SHIFT=keys.shift, KEY_BITS=keys.key_bits, BLOCK=_UNION_BLOCK)
+        return _unions_from_keys(out, bsz, n_tiles, t, k, kv_length, keys)
     if n_tiles * t != s_q:  # empty rows (IDs -1) complete the last tile
         filler = torch.full((bsz, n_tiles * t - s_q, k), -1, dtype=routes.dtype, device=routes.device)
         routes = torch.cat([routes, filler], dim=1)
@@ -361,34 +371,59 @@ def _check_union_arguments(routes: torch.Tensor, kv_length: int, rows_per_tile: 
         raise ValueError(f"rows_per_tile must be a power of two in [1, 32], got {rows_per_tile}")
 
 
+@dataclass(frozen=True)
+class _KeyPlan:
+    """Sort keys of tile unions: ``(group % per_sort) << key_bits | (id << shift | row)``,
+    or ``sentinel`` in the low bits for a padding route (it sorts after every real key
+    of its group). Each sort takes ``per_sort`` whole groups: at most torch.sort's
+    2**31 - 1 elements, and, where that leaves a sort at least _MIN_GROUPS_PER_SORT
+    groups, few enough for int32 keys (flat radix sorts of many groups at once instead
+    of a segmented sort per group)."""
+
+    shift: int
+    sentinel: int
+    key_bits: int
+    per_sort: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def make(n_groups: int, t: int, k: int, kv_length: int) -> "_KeyPlan":
+        sentinel = kv_length * t
+        key_bits = sentinel.bit_length()
+        most = max(1, (2**31 - 1) // (t * k))
+        int32_groups = 1 << (31 - key_bits) if key_bits < 31 else 0
+        if int32_groups >= min(n_groups, _MIN_GROUPS_PER_SORT):
+            per_sort, dtype = min(n_groups, most, int32_groups), torch.int32
+        else:
+            per_sort, dtype = min(n_groups, most), torch.int64
+        if key_bits + max(1, (per_sort - 1).bit_length()) > 62:  # pragma: no cover - > 2**62 keys
+            raise ValueError(f"tile unions over kv_length {kv_length} need sort keys wider than 62 bits")
+        return _KeyPlan(t.bit_length() - 1, sentinel, key_bits, per_sort, dtype)
+
+
 def _unions_of_row_groups(grouped: torch.Tensor, kv_length: int) -> TileUnions:
     """Unions of ``grouped`` ``[B, n, T, K]`` route rows (T a power of two <= 32)."""
     bsz, n_tiles, t, k = grouped.shape
     device = grouped.device
+    plan = _KeyPlan.make(bsz * n_tiles, t, k, kv_length)
+    key_dtype = plan.dtype
     # compare in the input dtype: casting huge int64 to int32 first would wrap
     valid = (grouped >= 0) & (grouped < kv_length)
-    shift = t.bit_length() - 1
-    sentinel = kv_length * t  # past every (ID, row) key: sorts to the end of its tile
-    key_bits = sentinel.bit_length()
-    # Flat sorts of (group, ID, row) keys, the group's index in the high bits, instead
-    # of a segmented sort per group: a plain radix sort of many groups at once. Each
-    # sort takes whole groups, at most torch.sort's 2**31 - 1 elements, and, where
-    # that leaves a sort at least _MIN_GROUPS_PER_SORT groups, few enough for int32 keys.
-    n_groups, per_group = bsz * n_tiles, t * k
-    most = max(1, (2**31 - 1) // per_group)
-    int32_groups = 1 << (31 - key_bits) if key_bits < 31 else 0
-    if int32_groups >= min(n_groups, _MIN_GROUPS_PER_SORT):
-        per_sort, key_dtype = min(n_groups, most, int32_groups), torch.int32
-    else:
-        per_sort, key_dtype = min(n_groups, most), torch.int64
-    if key_bits + max(1, (per_sort - 1).bit_length()) > 62:  # pragma: no cover - > 2**62 keys
-        raise ValueError(f"tile unions over kv_length {kv_length} need sort keys wider than 62 bits")
     ids = torch.where(valid, grouped, torch.zeros((), dtype=grouped.dtype, device=device)).to(key_dtype)
     rows = torch.arange(t, device=device, dtype=key_dtype).view(1, 1, t, 1)
-    low = torch.where(valid, (ids << shift) + rows, torch.full((), sentinel, dtype=key_dtype, device=device))
-    group = (torch.arange(n_groups, device=device, dtype=key_dtype) % per_sort).view(bsz, n_tiles, 1, 1)
-    keys = ((group << key_bits) | low).reshape(-1)
-    step = per_sort * per_group
+    low = torch.where(valid, (ids << plan.shift) + rows,
+                      torch.full((), plan.sentinel, dtype=key_dtype, device=device))
+    group = (torch.arange(bsz * n_tiles, device=device, dtype=key_dtype) % plan.per_sort).view(bsz, n_tiles, 1, 1)
+    return _unions_from_keys(((group << plan.key_bits) | low).reshape(-1), bsz, n_tiles, t, k, kv_length, plan)
+
+
+def _unions_from_keys(keys: torch.Tensor, bsz: int, n_tiles: int, t: int, k: int, kv_length: int,
+                      plan: _KeyPlan) -> TileUnions:
+    """Sort the flat ``keys`` (``plan.per_sort`` groups at a time) and make the unions."""
+    device = keys.device
+    shift, sentinel, key_bits = plan.shift, plan.sentinel, plan.key_bits
+    per_group = t * k
+    step = plan.per_sort * per_group
     if step >= keys.numel():
         keys = torch.sort(keys).values
     else:
