@@ -1,13 +1,15 @@
 """Token-gather QSA in Triton: work proportional to the routes, not to S^2.
 
 The algorithm is the one of ``docs/design-token-gather.md`` (shared with the JAX
-Pallas backend). Query rows are grouped in tiles of T consecutive rows; torch ops
-build, per tile, the sorted union of the routes of its rows and a per-ID bitmask of
-which rows route there (:func:`build_tile_unions`). One Triton program per (tile,
-KV head, head chunk) then walks that union in chunks of ``block_k`` IDs, gathers
-each K/V row once for all T * heads matrix rows, and runs an fp32 online softmax
-(forward, saving the log-sum-exp) or the fused backward (dQ kept in registers,
-dK/dV added to fp32 accumulators with one atomic add per union chunk).
+Pallas backend). Query rows are grouped in tiles of T consecutive rows; a radix
+sort (torch) between two small Triton kernels builds, per tile, the sorted union of
+the routes of its rows and a per-ID bitmask of which rows route there
+(:func:`build_tile_unions`). One Triton program per (tile, KV head, head chunk) then
+walks that union in chunks of ``block_k`` IDs, gathers each K/V row once for all
+T * heads matrix rows, and runs an fp32 online softmax (forward, saving the
+log-sum-exp) or the fused backward (dQ kept in registers, dK/dV added to fp32
+accumulators with one atomic add per union chunk). The backward's tiles are shorter
+than the forward's; their unions are cut out of the forward's, not sorted again.
 
 Triton is imported on the first call only. CUDA tensors are required, except that
 CPU tensors are accepted when Triton's interpreter is on (``TRITON_INTERPRET=1``
