@@ -156,6 +156,11 @@ class _Plan:
     def backward_rows(self) -> int:
         return self.bwd_rows or self.rows_per_tile
 
+    @property
+    def sorted_rows(self) -> int:
+        """Rows of the tiles whose unions are sorted and saved (flat plans: the span)."""
+        return self.union_rows or self.rows_per_tile
+
     def n_tiles(self, s_q: int) -> int:
         if self.flat:
             return -(-s_q * self.group // self.fwd_heads)
@@ -165,7 +170,7 @@ class _Plan:
         """Rows of the unions that are sorted (and saved for the backward)."""
         if self.flat:
             return self.n_tiles(s_q)
-        return -(-s_q // (self.union_rows or self.rows_per_tile))
+        return -(-s_q // self.sorted_rows)
 
 
 def _make_plan(group: int, head_dim: int, blocks: BlockSizes) -> _Plan:
@@ -236,11 +241,11 @@ def build_tile_unions(routes: torch.Tensor, kv_length: int, rows_per_tile: int) 
     bsz, s_q, k = routes.shape
     t = rows_per_tile
     n_tiles = -(-s_q // t)
-    kernels = _union_kernels(routes.device)
-    if kernels is not None:  # the keys straight from the routes, in one pass
+    triton_unions = _union_kernels(routes.device)
+    if triton_unions is not None:  # the keys straight from the routes, in one pass
+        kernels, _ = triton_unions
         keys = _KeyPlan.make(bsz * n_tiles, t, k, kv_length)
         out = torch.empty(bsz * n_tiles * t * k, dtype=keys.dtype, device=routes.device)
-        _, interpreted = _load_kernels()
         with _on_device(routes.device):
             kernels.union_keys_kernel[(bsz * n_tiles, -(-(t * k) // _UNION_BLOCK))](
                 routes, out, s_q, k, kv_length, n_tiles, *routes.stride(), keys.per_sort, keys.sentinel,
@@ -327,10 +332,10 @@ def _cut_unions(unions: TileUnions, windows: list[tuple[int, int]], n_sub: int, 
     bsz, n_tiles, parent_width = unions.union.shape
     device = unions.union.device
     parts = len(windows)
-    kernels = _union_kernels(device)
-    if kernels is not None:
+    triton_unions = _union_kernels(device)
+    if triton_unions is not None:
+        kernels, interpreted = triton_unions
         union, rowbits, count = _blank_unions(bsz, n_sub, width, device)
-        _, interpreted = _load_kernels()
         with _on_device(device):
             kernels.split_unions_kernel[(n_sub, bsz)](
                 unions.union, unions.rowbits, unions.count, union, rowbits, count,
@@ -360,7 +365,7 @@ def _cut_unions(unions: TileUnions, windows: list[tuple[int, int]], n_sub: int, 
 def _unions_for(routes: torch.Tensor, kv_length: int, plan: _Plan) -> TileUnions:
     if plan.flat:
         return build_flat_unions(routes, kv_length, plan)
-    return build_tile_unions(routes, kv_length, plan.union_rows or plan.rows_per_tile)
+    return build_tile_unions(routes, kv_length, plan.sorted_rows)
 
 
 def _check_union_arguments(routes: torch.Tensor, kv_length: int, rows_per_tile: int) -> None:
@@ -433,10 +438,10 @@ def _unions_from_keys(keys: torch.Tensor, bsz: int, n_tiles: int, t: int, k: int
             keys[start:start + step] = torch.sort(keys[start:start + step]).values
     keys = keys.view(bsz, n_tiles, per_group)
     width = min(t * k, kv_length)
-    kernels = _union_kernels(device)
-    if kernels is not None:
+    triton_unions = _union_kernels(device)
+    if triton_unions is not None:
+        kernels, interpreted = triton_unions
         union, rowbits, count = _blank_unions(bsz, n_tiles, width, device)
-        _, interpreted = _load_kernels()
         with _on_device(device):
             kernels.union_from_sorted_kernel[(bsz * n_tiles,)](
                 keys, union, rowbits, count, t * k, width, (1 << key_bits) - 1, sentinel,
@@ -468,15 +473,15 @@ _MIN_GROUPS_PER_SORT = 256  # fewer tiles per int32 sort: one int64 sort instead
 
 
 def _union_kernels(device: torch.device):
-    """The kernels module when the union steps run in Triton here (CUDA tensors, or
-    the interpreter), else None: then they run as torch ops (same results)."""
+    """``(kernels module, interpreted)`` when the union steps run in Triton here (CUDA
+    tensors, or the interpreter), else None: then they run as torch ops (same results)."""
     if not KERNEL_OPTIONS["triton_unions"]:
         return None
     try:
         kernels, interpreted = _load_kernels()
     except ImportError:
         return None
-    return kernels if device.type == "cuda" or interpreted else None
+    return (kernels, interpreted) if device.type == "cuda" or interpreted else None
 
 
 def _blank_unions(bsz: int, n_tiles: int, width: int, device: torch.device):
@@ -648,7 +653,7 @@ class _TritonQSA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, union, count, rowbits, scale, plan, top_k):
-        unions = TileUnions(union, count, rowbits, plan.union_rows or plan.rows_per_tile)
+        unions = TileUnions(union, count, rowbits, plan.sorted_rows)
         out, lse = _forward(query, key, value, unions, scale, plan, top_k)
         ctx.save_for_backward(query, key, value, out, lse, union, count, rowbits)
         ctx.scale, ctx.plan, ctx.top_k = scale, plan, top_k
@@ -658,7 +663,7 @@ class _TritonQSA(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         query, key, value, out, lse, union, count, rowbits = ctx.saved_tensors
-        unions = TileUnions(union, count, rowbits, ctx.plan.union_rows or ctx.plan.rows_per_tile)
+        unions = TileUnions(union, count, rowbits, ctx.plan.sorted_rows)
         dq, dk, dv = _backward(query, key, value, out, lse, grad_out, unions, ctx.scale, ctx.plan,
                                ctx.top_k)
         return dq, dk, dv, None, None, None, None, None, None
@@ -744,8 +749,7 @@ def residual_shapes(query, key, selected_token_ids) -> list[tuple[tuple[int, ...
     bsz, s_q, hq, _ = query.shape
     plan = _default_plan(query, key)
     n_tiles = plan.n_union_tiles(s_q)
-    rows = plan.rows_per_tile if plan.flat else plan.union_rows or plan.rows_per_tile
-    width = min(rows * selected_token_ids.shape[2], key.shape[1])
+    width = min(plan.sorted_rows * selected_token_ids.shape[2], key.shape[1])
     return [(tuple(query.shape), query.dtype), ((bsz, hq, s_q), torch.float32),
             ((bsz, n_tiles, width), torch.int32), ((bsz, n_tiles), torch.int32),
             ((bsz, n_tiles, width), torch.int32)]
@@ -756,5 +760,5 @@ def backward_from_residuals(grad_out, query, key, value, out, lse, union, count,
     """``(dq, dk, dv)`` from :func:`forward_with_residuals`'s results (same inputs;
     ``top_k``: K of their ``[B, S_q, K]`` routes)."""
     plan = _default_plan(query, key)
-    unions = TileUnions(union, count, rowbits, plan.union_rows or plan.rows_per_tile)
+    unions = TileUnions(union, count, rowbits, plan.sorted_rows)
     return _backward(query, key, value, out, lse, grad_out, unions, softmax_scale, plan, top_k)
