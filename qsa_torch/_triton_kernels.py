@@ -324,19 +324,28 @@ def qsa_backward_kernel(
 # and each key ORs its row's bit into its slot (OR is idempotent, so repeated (ID, row)
 # keys need no care).
 @triton.jit
-def union_keys_kernel(ROUTES, KEYS, s_q, k, kv_length, n_tiles, sr_b, sr_s, sr_k, per_sort, sentinel,
-                      T: tl.constexpr, SHIFT: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+def union_keys_kernel(ROUTES, KEYS, s_q, k, kv_length, n_tiles, sr_b, sr_s, sr_k, per_sort, sentinel, group_size,
+                      T: tl.constexpr, SHIFT: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr,
+                      PAIRS: tl.constexpr = 0):
     """Program (group, chunk): BLOCK of the T * K sort keys of one tile (group = batch
     row * n_tiles + tile), straight from the routes ``[B, S_q, K]`` (any strides, int32
     or int64): key i is row ``i // K`` of the tile, route ``i % K``;
     ``(group % per_sort) << KEY_BITS | (id << SHIFT | row)``, or ``sentinel`` in the low
-    bits where the ID is outside [0, kv_length) or the row is past S_q."""
+    bits where the ID is outside [0, kv_length) or the row is past S_q. With ``PAIRS``,
+    tile p is the flat program of pairs ``[p * PAIRS, (p + 1) * PAIRS)`` over
+    ``group_size`` heads: its rows start at the first pair's and stop after the last's."""
     group = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_range = i < T * k
     t = i // k
-    row = (group % n_tiles) * T + t
-    row_ok = in_range & (row < s_q)
+    tile = group % n_tiles
+    if PAIRS == 0:
+        row = tile * T + t
+        row_ok = in_range & (row < s_q)
+    else:
+        first_row = tile * PAIRS // group_size
+        row = first_row + t
+        row_ok = in_range & (row < s_q) & (row <= (tile * PAIRS + PAIRS - 1) // group_size)
     ptr = ROUTES + (group // n_tiles) * sr_b + row.to(tl.int64) * sr_s + (i % k).to(tl.int64) * sr_k
     ids = tl.load(ptr, mask=row_ok, other=-1)
     # compared in the routes' dtype: huge int64 IDs must not wrap into range

@@ -49,6 +49,7 @@ _MAX_GRID_Y = 65535  # CUDA's limit on grid dimension y
 KERNEL_OPTIONS = {
     "offs32": True,  # 32-bit element offsets where every one fits (checked per call)
     "triton_unions": True,  # union steps after the sort, and splits, as Triton kernels
+    "flat_unions_from_tiles": True,  # flat unions cut from tile unions where tiles hold whole programs
 }
 
 
@@ -111,12 +112,13 @@ class BlockSizes:
                 raise TypeError(f"BlockSizes.{name} must be a bool, got {getattr(self, name)!r}")
 
 
-# H200 at D = 256, S = 32768, (24,2), QSA routes (docs/benchmarks.md, probes of the
-# third session): backward programs of 4 rows x 16 padded heads over 64-ID chunks,
-# 49.4 ms including the split of the 8-row unions, against 73.7 ms for 8 rows x 16
-# heads over 32-ID chunks and 62.1 ms for 4 x 16 over 32-ID chunks; three forward
-# stages 9.1 ms against 9.3. Other devices and head dims get lighter tiles.
-DEFAULT_BLOCK_SIZES = BlockSizes(num_stages=3, backward_block_k=64, backward_num_stages=1)
+# H200 at D = 256, S = 32768, (24,2), QSA routes (docs/benchmarks.md, fourth session):
+# flat programs of 128 (row, head) pairs forward and backward over 64-ID chunks, 42.6 ms
+# forward+backward against 52.9 ms with padded 8-row forward tiles and a flat 64-pair
+# backward and 61.7 ms with padded tiles throughout (4 rows x 16 heads backward): twice
+# the matrix rows per backward program halve the dK/dV atomic traffic. Where G is a
+# power of two flatten_heads changes nothing. Other devices and head dims get lighter tiles.
+DEFAULT_BLOCK_SIZES = BlockSizes(num_stages=3, backward_block_k=64, backward_num_stages=1, flatten_heads=True)
 SAFE_BLOCK_SIZES = BlockSizes(block_m=64, block_k=32, num_warps=4, num_stages=2,
                               backward_block_m=32, backward_block_k=32,
                               backward_num_warps=4, backward_num_stages=1)
@@ -196,11 +198,9 @@ def _make_plan(group: int, head_dim: int, blocks: BlockSizes) -> _Plan:
         bwd_heads *= 2
     if blocks.backward_flatten_heads and group != g_pad:
         pairs = blocks.backward_block_m
-        union_rows = rows
-        while union_rows <= _MAX_ROWS_PER_TILE and (union_rows * group) % pairs:
-            union_rows *= 2
+        union_rows = _flat_union_rows(group, pairs, rows)
         span = (pairs - 1) // group + 2
-        if union_rows <= _MAX_ROWS_PER_TILE and span <= _MAX_ROWS_PER_TILE:
+        if union_rows is not None and span <= _MAX_ROWS_PER_TILE:
             return _Plan(rows, group, heads, pairs, head_dim_pad, blocks,
                          union_rows=0 if union_rows == rows else union_rows, bwd_pairs=pairs,
                          bwd_span=_next_pow2(span))
@@ -244,26 +244,61 @@ def build_tile_unions(routes: torch.Tensor, kv_length: int, rows_per_tile: int) 
     triton_unions = _union_kernels(routes.device)
     if triton_unions is not None:  # the keys straight from the routes, in one pass
         kernels, _ = triton_unions
-        keys = _KeyPlan.make(bsz * n_tiles, t, k, kv_length)
-        out = torch.empty(bsz * n_tiles * t * k, dtype=keys.dtype, device=routes.device)
-        with _on_device(routes.device):
-            kernels.union_keys_kernel[(bsz * n_tiles, -(-(t * k) // _UNION_BLOCK))](
-                routes, out, s_q, k, kv_length, n_tiles, *routes.stride(), keys.per_sort, keys.sentinel,
-                T=t, SHIFT=keys.shift, KEY_BITS=keys.key_bits, BLOCK=_UNION_BLOCK)
-        return _unions_from_keys(out, bsz, n_tiles, t, k, kv_length, keys)
+        return _unions_from_routes(kernels, routes, kv_length, n_tiles, t)
     if n_tiles * t != s_q:  # empty rows (IDs -1) complete the last tile
         filler = torch.full((bsz, n_tiles * t - s_q, k), -1, dtype=routes.dtype, device=routes.device)
         routes = torch.cat([routes, filler], dim=1)
     return _unions_of_row_groups(routes.reshape(bsz, n_tiles, t, k), kv_length)
 
 
+def _unions_from_routes(kernels, routes: torch.Tensor, kv_length: int, n_tiles: int, t: int,
+                        pairs: int = 0, group: int = 1) -> TileUnions:
+    """Unions of ``n_tiles`` tiles of ``t`` rows per batch row (``pairs``: of flat programs
+    of that many (row, head) pairs over ``group`` heads), the sort keys made by a kernel
+    straight from the routes."""
+    bsz, s_q, k = routes.shape
+    keys = _KeyPlan.make(bsz * n_tiles, t, k, kv_length)
+    out = torch.empty(bsz * n_tiles * t * k, dtype=keys.dtype, device=routes.device)
+    with _on_device(routes.device):
+        kernels.union_keys_kernel[(bsz * n_tiles, -(-(t * k) // _UNION_BLOCK))](
+            routes, out, s_q, k, kv_length, n_tiles, *routes.stride(), keys.per_sort, keys.sentinel, group,
+            T=t, SHIFT=keys.shift, KEY_BITS=keys.key_bits, BLOCK=_UNION_BLOCK, PAIRS=pairs)
+    return _unions_from_keys(out, bsz, n_tiles, t, k, kv_length, keys)
+
+
+def _flat_union_rows(group: int, pairs: int, at_least: int = 1) -> int | None:
+    """The fewest rows T_u >= ``at_least`` (a power of two <= 32) whose T_u * G pairs
+    hold whole flat programs of ``pairs`` pairs; None if there is none."""
+    rows = at_least
+    while rows <= _MAX_ROWS_PER_TILE:
+        if (rows * group) % pairs == 0:
+            return rows
+        rows *= 2
+    return None
+
+
 def build_flat_unions(routes: torch.Tensor, kv_length: int, plan: _Plan) -> TileUnions:
     """:func:`build_tile_unions` for a flat plan (``BlockSizes.flatten_heads``): per
     program, the union of the routes of the query rows its (row, head) pairs touch;
-    bit t of ``rowbits`` is the program's t-th query row."""
+    bit t of ``rowbits`` is the program's t-th query row.
+
+    With the Triton union kernels, where tiles of T_u rows hold whole programs
+    (:func:`_flat_union_rows`, e.g. 32 rows = 3 programs of 128 pairs at G = 12), the
+    unions are cut out of those tiles' (every route sorted once); else each program's
+    span of rows is sorted (up to twice as many keys)."""
     _check_union_arguments(routes, kv_length, plan.rows_per_tile)
     bsz, s_q, k = routes.shape
     n_blocks = plan.n_tiles(s_q)
+    triton_unions = _union_kernels(routes.device)
+    if triton_unions is not None:
+        kernels, _ = triton_unions
+        # tiles at least the span tall: the cut unions are as wide as built ones
+        tile_rows = _flat_union_rows(plan.group, plan.fwd_heads, plan.rows_per_tile)
+        if tile_rows is not None and KERNEL_OPTIONS["flat_unions_from_tiles"]:
+            tiles = _unions_from_routes(kernels, routes, kv_length, -(-s_q // tile_rows), tile_rows)
+            return _split_flat_unions(tiles, plan.fwd_heads, plan.group, k, s_q, plan.rows_per_tile)
+        return _unions_from_routes(kernels, routes, kv_length, n_blocks, plan.rows_per_tile,
+                                   pairs=plan.fwd_heads, group=plan.group)
     first_pair = torch.arange(n_blocks, device=routes.device) * plan.fwd_heads
     last_row = torch.clamp((first_pair + plan.fwd_heads - 1) // plan.group, max=s_q - 1)
     rows = (first_pair // plan.group)[:, None] + torch.arange(plan.rows_per_tile, device=routes.device)

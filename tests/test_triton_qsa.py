@@ -411,13 +411,20 @@ def test_flattened_heads_against_the_oracle(heads, layout, family):
     assert np.all(got[0][empty] == 0) and np.all(got[1][empty] == 0)
 
 
-def test_flat_unions_match_brute_force():
+@pytest.mark.parametrize("path", ["cut_from_tiles", "sorted_per_program", "torch"])
+def test_flat_unions_match_brute_force(monkeypatch, path):
+    """Every way build_flat_unions has (tile unions cut into programs, each program's
+    rows sorted by the key kernel, torch ops) gives each program's exact union."""
+    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "triton_unions", path != "torch")
+    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "flat_unions_from_tiles", path == "cut_from_tiles")
     rng = _fresh_rng()
     s_q, kv_length, group = 23, 30, 12
     routes = rng.integers(-3, kv_length + 3, size=(2, s_q, 5))
     routes[0, 4, 1] = routes[0, 4, 0]  # a repeated ID in a row
+    routes[1, 7, 2] = 2**62 + 5  # huge int64: padding, never wrapped into range
+    raw = torch.from_numpy(routes.transpose(0, 2, 1).copy()).to(DEVICE).transpose(1, 2)  # non-contiguous
     plan = triton_qsa._make_plan(group, 16, BlockSizes(block_m=32, flatten_heads=True))
-    unions = _to_cpu(triton_qsa.build_flat_unions(torch.from_numpy(routes).to(DEVICE), kv_length, plan))
+    unions = _to_cpu(triton_qsa.build_flat_unions(raw, kv_length, plan))
     n_blocks = -(-s_q * group // 32)
     assert unions.union.shape[:2] == (2, n_blocks) and unions.rows_per_tile == 4
     for b in range(2):
@@ -512,7 +519,7 @@ def test_offsets_fit_int32_checks_the_largest_offset(monkeypatch):
 
 
 @pytest.mark.parametrize("group, rows, fwd_heads, bwd_rows, bwd_heads", [
-    (12, 8, 16, 4, 16),  # the tuned H200 shape: 8-row tiles, backward cut to 4 rows
+    (12, 16, 128, 16, 128),  # the tuned H200 shape: flat programs of 128 pairs spanning <= 16 rows
     (2, 32, 2, 32, 2),  # small groups: 32-row tiles (rowbits' limit), no cut needed
     (1, 32, 1, 32, 1),
     (64, 2, 64, 1, 64),  # a group wider than backward_block_m: 1 row, all heads
@@ -524,14 +531,17 @@ def test_default_plans(group, rows, fwd_heads, bwd_rows, bwd_heads):
 
 
 def test_default_block_sizes_in_interpret_mode():
-    """The GPU's default tiling (8-row forward tiles of 16 padded heads over 64-ID
-    chunks, backward tiles cut to 4 rows) at D=256 and G=12 through the interpreter,
-    so its index arithmetic is checked against the oracle on CPU."""
+    """The GPU's default tiling (flat programs of 128 (row, head) pairs over 64-ID
+    chunks, forward and backward) at D=256 and G=12 through the interpreter, so its
+    index arithmetic is checked against the oracle on CPU (20 rows: two programs, the
+    second partly past the end)."""
     rng = _fresh_rng()
     problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=20, top_k=5)
     plan = triton_qsa._make_plan(12, 256, triton_qsa.DEFAULT_BLOCK_SIZES)
-    assert plan.backward_rows < plan.rows_per_tile
-    _check_against_oracle(problem.routes, problem.kv_length, (12, 1), 256, "float32",
+    assert plan.flat and plan.fwd_heads == plan.bwd_heads == 128
+    # on a GPU in the dtype the configuration is for: fp32 tiles of 128 x 256 do not fit
+    dtype = "float32" if DEVICE == "cpu" else "bfloat16"
+    _check_against_oracle(problem.routes, problem.kv_length, (12, 1), 256, dtype,
                           triton_qsa.DEFAULT_BLOCK_SIZES, rng, 0.1)
 
 
@@ -554,7 +564,9 @@ def test_flat_unions_cut_from_tile_unions(monkeypatch, group, rows, pairs, s_q, 
     raw = torch.from_numpy(routes).to(DEVICE)
     plan = triton_qsa._make_plan(group, 16, BlockSizes(block_m=pairs, flatten_heads=True))
     assert plan.flat and plan.fwd_heads == pairs
-    want = _to_cpu(triton_qsa.build_flat_unions(raw, kv_length, plan))
+    with monkeypatch.context() as sorted_per_program:
+        sorted_per_program.setitem(triton_qsa.KERNEL_OPTIONS, "flat_unions_from_tiles", False)
+        want = _to_cpu(triton_qsa.build_flat_unions(raw, kv_length, plan))
     tiles = build_tile_unions(raw, kv_length, rows)
     got = _to_cpu(triton_qsa._split_flat_unions(tiles, pairs, group, width, s_q, plan.rows_per_tile))
     assert got.rows_per_tile == want.rows_per_tile
@@ -567,8 +579,8 @@ def test_flat_unions_cut_from_tile_unions(monkeypatch, group, rows, pairs, s_q, 
 
 
 def test_flat_backward_plans():
-    blocks = dataclasses.replace(triton_qsa.DEFAULT_BLOCK_SIZES, backward_flatten_heads=True)
-    plan = triton_qsa._make_plan(12, 256, blocks)  # the H200 shape
+    blocks = dataclasses.replace(triton_qsa.DEFAULT_BLOCK_SIZES, flatten_heads=False, backward_flatten_heads=True)
+    plan = triton_qsa._make_plan(12, 256, blocks)  # padded forward tiles of the H200 shape
     assert (plan.rows_per_tile, plan.fwd_heads, plan.union_rows, plan.bwd_pairs, plan.bwd_span) == (
         8, 16, 16, 64, 8)
     plan = triton_qsa._make_plan(6, 256, blocks)  # 16-row tiles, unions of 32 rows

@@ -109,8 +109,8 @@ def torch_part(routes_np, s, n_routes):
         return dict(ms=ms, useful_tflops=flops / ms / 1e9, T=plan.rows_per_tile, HB=plan.fwd_heads,
                     union_ms=bench(lambda: tq._unions_for(routes, s, plan)))
 
-    for name, kw in (("default", {}), ("flat", dict(flatten_heads=True)),
-                     ("flat_backward", dict(backward_flatten_heads=True))):
+    for name, kw in (("default", {}), ("padded", dict(flatten_heads=False)),
+                     ("flat_backward", dict(flatten_heads=False, backward_flatten_heads=True))):
         record("torch_fwd_kernel", name, lambda kw=kw: fwd(**kw))
 
     top_k = routes.shape[2]
@@ -143,14 +143,12 @@ def torch_part(routes_np, s, n_routes):
         ms = bench(run)
         return dict(ms=ms, useful_tflops=2.5 * flops / ms / 1e9, T=plan.backward_rows, HB=plan.bwd_heads)
 
-    # default: backward tiles of 4 rows x 16 heads, unions cut from the forward's 8-row
-    # ones inside the timed call
-    flat64 = dict(flatten_heads=True, block_m=64, backward_block_m=64, backward_num_stages=1)
+    # default: flat programs of 128 pairs; padded: 4 rows x 16 heads, unions cut from
+    # the forward's 8-row ones inside the timed call
     for name, kw in (("default", {}),
                      ("default_no_atomic_traffic", dict(skip=True)),
-                     ("k32", dict(backward_block_k=32)),
-                     ("flat_bm64_k64", dict(flat64, backward_block_k=64)),
-                     ("flat_backward", dict(backward_flatten_heads=True))):
+                     ("padded", dict(flatten_heads=False)),
+                     ("flat_backward", dict(flatten_heads=False, backward_flatten_heads=True))):
         record("torch_bwd_kernel", name, lambda kw=kw: bwd(**kw))
 
     def end_to_end(opts=None, **kw):
@@ -168,8 +166,11 @@ def torch_part(routes_np, s, n_routes):
             return dict(fwd_ms=fwd_ms, fwdbwd_ms=bench(step))
 
     for name, kw in (("default", {}), ("torch_union_ops", dict(opts=dict(triton_unions=False))),
-                     ("flat_bm64_k64", dict(flat64, backward_block_k=64)),
-                     ("flat_backward", dict(backward_flatten_heads=True))):
+                     ("flat_keys_per_program", dict(opts=dict(flat_unions_from_tiles=False))),
+                     ("flat_fwd_s2", dict(num_stages=2)),
+                     ("flat_fwd_k32", dict(block_k=32)),
+                     ("padded", dict(flatten_heads=False)),
+                     ("flat_backward", dict(flatten_heads=False, backward_flatten_heads=True))):
         record("torch_end_to_end", name, lambda kw=kw: end_to_end(**kw))
 
     def api_op_pair():
