@@ -8,8 +8,11 @@ the routes of its rows and a per-ID bitmask of which rows route there
 walks that union in chunks of ``block_k`` IDs, gathers each K/V row once for all
 T * heads matrix rows, and runs an fp32 online softmax (forward, saving the
 log-sum-exp) or the fused backward (dQ kept in registers, dK/dV added to fp32
-accumulators with one atomic add per union chunk). The backward's tiles are shorter
-than the forward's; their unions are cut out of the forward's, not sorted again.
+accumulators with one atomic add per union chunk). With ``flatten_heads`` (the SM90
+default for 16-bit inputs at D > 128) a program takes consecutive (row, head) pairs
+instead of T rows x padded heads, forward and backward alike; otherwise the
+backward's tiles may be shorter than the forward's, their unions cut out of the
+forward's, not sorted again.
 
 Triton is imported on the first call only. CUDA tensors are required, except that
 CPU tensors are accepted when Triton's interpreter is on (``TRITON_INTERPRET=1``
@@ -71,14 +74,16 @@ class BlockSizes:
     ``flatten_heads``: when G is not a power of two, every program (forward and
     backward) takes ``block_m`` consecutive (query row, head) pairs instead of T rows x
     G_pad heads, so no matrix row is head padding; a program then spans up to
-    ``(block_m - 1) // G + 2`` query rows (its unions are built, not split, and take
-    longer: see docs/benchmarks.md).
+    ``(block_m - 1) // G + 2`` query rows, and the backward takes the forward's
+    programs (``backward_block_m`` does not apply). Their unions are cut out of those
+    of taller tiles where some tile of <= 32 rows holds whole programs, else sorted per
+    program (:func:`build_flat_unions`). The SM90 default at D > 128.
     ``backward_flatten_heads``: the forward keeps its padded tiles; the backward's
     programs take ``backward_block_m`` consecutive pairs each, their unions cut out of
     the unions of tiles of T_u rows (T_u: the smallest power-of-two multiple of T whose
     T_u * G pairs hold whole programs, at most 32; the forward's T-row unions are then
     cut from those too; ``backward_rows_per_tile`` then does not apply). Where no such
-    T_u exists the backward stays padded. Built and tested, not yet timed on a GPU.
+    T_u exists the backward stays padded. Ignored with ``flatten_heads`` (already flat).
     """
 
     block_m: int = 128
