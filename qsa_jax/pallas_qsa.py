@@ -80,7 +80,7 @@ class BlockSizes:
             return cls(block_m=64, block_k=16, num_stages=1, block_m_bwd=32, block_k_bwd=16)
         if head_dim <= 128:  # not measured at these head dims
             return cls(block_m=128, block_k=64, num_stages=2, block_m_bwd=128, block_k_bwd=32)
-        return cls(flatten_heads=True)
+        return cls(flatten_heads=True, block_m_bwd=128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,10 +360,10 @@ def _forward_call(q, k, v, union, bits, count, geo: _Geometry, scale, bs: BlockS
 
 def _forward(q, k, v, routes, scale, bs: BlockSizes, interpret):
     s_q, d = q.shape[1], q.shape[3]
-    geo = _Geometry.make(q.shape[2] // k.shape[2], d, bs.block_m, bs.block_k, bs.flatten_heads)
-    union, bits, count = _route_union(routes, geo)
-    o_arr, lse = _forward_call(q, k, v, union, bits, count, geo, scale, bs, interpret)
-    return _restore_queries(o_arr, geo, s_q, d), (o_arr, lse, geo)
+    geo = _forward_geometry(q.shape[2] // k.shape[2], d, bs)
+    unions = _route_union(routes, geo)
+    o_arr, lse = _forward_call(q, k, v, *unions, geo, scale, bs, interpret)
+    return _restore_queries(o_arr, geo, s_q, d), (o_arr, lse, geo, unions)
 
 
 def _backward_call(q, k, v, do, lse, delta, union, bits, count, geo: _Geometry, scale,
@@ -397,17 +397,20 @@ def _backward_call(q, k, v, do, lse, delta, union, bits, count, geo: _Geometry, 
     )(q_arr, k_pad, v_pad, do_arr, lse, delta, union, bits, count, zeros, zeros)
 
 
-def _backward(q, k, v, routes, o_arr_fwd, lse_fwd, geo_fwd, do, scale, bs: BlockSizes, interpret):
+def _backward(q, k, v, routes, o_arr_fwd, lse_fwd, geo_fwd, do, scale, bs: BlockSizes, interpret,
+              unions_fwd=None):
+    """``unions_fwd``: the forward's unions when its geometry is the backward's (saved
+    by the forward then, instead of sorting the same routes again)."""
     s_q, hq, d = q.shape[1:]
     hkv = k.shape[2]
-    geo = _Geometry.make(hq // hkv, d, bs.block_m_bwd, bs.block_k_bwd, bs.flatten_heads)
+    geo = _backward_geometry(hq // hkv, d, bs)
     # LSE and delta in the backward tile arrangement
     o = _restore_queries(o_arr_fwd, geo_fwd, s_q, d)
     lse_rows = _restore_queries(lse_fwd[..., None], dataclasses.replace(geo_fwd, head_dim_pad=1), s_q, 1)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
     as_rows = lambda x: _arrange_queries(x, dataclasses.replace(geo, head_dim_pad=1), hkv)[..., 0]  # noqa: E731
     lse, delta = as_rows(lse_rows), as_rows(delta)
-    union, bits, count = _route_union(routes, geo)
+    union, bits, count = unions_fwd if geo == geo_fwd and unions_fwd is not None else _route_union(routes, geo)
     dq_arr, dk, dv = _backward_call(q, k, v, do, lse, delta, union, bits, count, geo, scale, bs,
                                     interpret)
     dq = _restore_queries(dq_arr, geo, s_q, d)
@@ -419,18 +422,26 @@ def _qsa(q, k, v, routes, scale, block_sizes, interpret):
     return _forward(q, k, v, routes, scale, block_sizes, interpret)[0]
 
 
+def _forward_geometry(group: int, head_dim: int, bs: BlockSizes) -> _Geometry:
+    return _Geometry.make(group, head_dim, bs.block_m, bs.block_k, bs.flatten_heads)
+
+
+def _backward_geometry(group: int, head_dim: int, bs: BlockSizes) -> _Geometry:
+    return _Geometry.make(group, head_dim, bs.block_m_bwd, bs.block_k_bwd, bs.flatten_heads)
+
+
 def _qsa_fwd(q, k, v, routes, scale, block_sizes, interpret):
-    out, (o_arr, lse, geo) = _forward(q, k, v, routes, scale, block_sizes, interpret)
-    return out, (q, k, v, routes, o_arr, lse)
+    out, (o_arr, lse, geo, unions) = _forward(q, k, v, routes, scale, block_sizes, interpret)
+    # the unions outlive the forward only where the backward would sort the same ones
+    same = geo == _backward_geometry(q.shape[2] // k.shape[2], q.shape[3], block_sizes)
+    return out, (q, k, v, routes, o_arr, lse, unions if same else None)
 
 
 def _qsa_bwd(scale, block_sizes, interpret, residuals, do):
-    q, k, v, routes, o_arr, lse = residuals
-    geo_fwd = _Geometry.make(
-        q.shape[2] // k.shape[2], q.shape[3], block_sizes.block_m, block_sizes.block_k,
-        block_sizes.flatten_heads
-    )
-    dq, dk, dv = _backward(q, k, v, routes, o_arr, lse, geo_fwd, do, scale, block_sizes, interpret)
+    q, k, v, routes, o_arr, lse, unions = residuals
+    geo_fwd = _forward_geometry(q.shape[2] // k.shape[2], q.shape[3], block_sizes)
+    dq, dk, dv = _backward(q, k, v, routes, o_arr, lse, geo_fwd, do, scale, block_sizes, interpret,
+                           unions)
     return dq, dk, dv, None
 
 

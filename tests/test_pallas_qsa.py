@@ -205,9 +205,10 @@ def test_backward_lowers_dkdv_adds_to_relaxed_atomics(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_default_block_sizes_in_interpret_mode(dtype):
-    """The tile shapes the GPU runs by default (16-bit: 128 x 64 forward, 64 x 64
-    backward; fp32: smaller), here through the interpreter at D=256 and G=12 (padded to
-    16), so the default geometry's index arithmetic is checked against the oracle on CPU."""
+    """The tile shapes the GPU runs by default (16-bit: flat programs of 128 (row, head)
+    pairs over 64-ID chunks forward and backward, the forward's unions reused; fp32:
+    smaller padded tiles), here through the interpreter at D=256 and G=12, so the
+    default geometry's index arithmetic is checked against the oracle on CPU."""
     import jax.numpy as jnp
 
     from qsa_jax.pallas_qsa import BlockSizes
@@ -215,7 +216,8 @@ def test_gpu_default_block_sizes_in_interpret_mode(dtype):
     rng = np.random.default_rng()
     bs = BlockSizes.default(256, interpret=False, dtype=jnp.dtype(dtype))
     if dtype == "bfloat16":
-        assert (bs.block_m, bs.block_k, bs.block_m_bwd, bs.block_k_bwd) == (128, 64, 64, 64)
+        assert (bs.block_m, bs.block_k, bs.block_m_bwd, bs.block_k_bwd) == (128, 64, 128, 64)
+        assert bs.flatten_heads
     problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=40, top_k=6)
     q, k, v, do = random_inputs(rng, problem.routes, 40, (12, 1), 256, dtype)
     got = run_jax(lambda *a: pallas(*a, block_sizes=bs), q, k, v, problem.routes, 0.0625, do, dtype)
@@ -296,3 +298,46 @@ def test_flat_tiling_beyond_int32_pairs(monkeypatch):
     monkeypatch.setattr(pq, "_run", lambda *a, **kw: seen.append(kw["block_sizes"]) or real_run(*a, **kw))
     pq.pallas_sparse_gqa_attention(q, kv, kv, routes, interpret=True)
     assert seen and not seen[0].flatten_heads
+
+
+@pytest.mark.parametrize("block_m_bwd, backward_sorts", [(16, 0), (32, 1)])
+def test_backward_reuses_the_forward_unions_when_tiles_match(monkeypatch, block_m_bwd, backward_sorts):
+    """Where the backward's geometry is the forward's, its unions are the forward's
+    residuals; otherwise it sorts its own. Both give the oracle's gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    from qsa_jax import pallas_qsa
+
+    jax.clear_caches()  # a cached trace would not call the patched functions
+    in_backward, sorts = [], []
+    route_union, backward = pallas_qsa._route_union, pallas_qsa._backward
+
+    def counting_union(*args):
+        sorts.extend(in_backward)
+        return route_union(*args)
+
+    def marked_backward(*args, **kwargs):
+        in_backward.append(True)
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            in_backward.clear()
+
+    monkeypatch.setattr(pallas_qsa, "_route_union", counting_union)
+    monkeypatch.setattr(pallas_qsa, "_backward", marked_backward)
+    rng = np.random.default_rng()
+    problem = make_problem("packed", "adversarial", seed=int(rng.integers(2**31)), seq_len=24, width=5)
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, (3, 1), 8, "float32")
+    bs = pallas_qsa.BlockSizes(block_m=16, block_k=16, block_m_bwd=block_m_bwd, block_k_bwd=16,
+                               flatten_heads=True)
+    routes = np.asarray(problem.routes)
+
+    def loss(q, k, v):
+        return jnp.sum(pallas(q, k, v, routes, 0.3, block_sizes=bs) * jnp.asarray(do))
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
+    assert len(sorts) == backward_sorts
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    for g, w in zip(grads, want[1:]):
+        assert relative_error(np.asarray(g), w) < 1e-5

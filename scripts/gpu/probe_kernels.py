@@ -252,8 +252,18 @@ def jax_part(routes_np, s, n_routes):
         ms = timed(call, q, k, v, do, lse, delta, union, bits, count)
         return dict(ms=ms, useful_tflops=2.5 * flops / ms / 1e9, T=geo.rows)
 
-    for name, kw in (("default", {}), ("padded", dict(flatten_heads=False))):
+    for name, kw in (("default", {}), ("default_no_atomics", dict(no_atomics=True)),
+                     ("m64", dict(block_m_bwd=64)), ("padded", dict(flatten_heads=False, block_m_bwd=64))):
         record("jax_bwd_kernel", name, lambda kw=kw: bwd(**kw))
+
+    def end_to_end(**kw):
+        bs = dataclasses.replace(pq.BlockSizes.default(d, False), **kw)
+        f = lambda a, b, c: pq.pallas_sparse_gqa_attention(a, b, c, routes, 1 / 16, block_sizes=bs)  # noqa: E731
+        g = jax.jit(lambda a, b, c, o: jax.vjp(f, a, b, c)[1](o))
+        return dict(fwd_ms=timed(jax.jit(f), q, k, v), fwdbwd_ms=timed(g, q, k, v, do))
+
+    for name, kw in (("default", {}), ("m64", dict(block_m_bwd=64))):
+        record("jax_end_to_end", name, lambda kw=kw: end_to_end(**kw))
 
 
 def main():

@@ -41,6 +41,7 @@ def main() -> int:
         (make_problem("padded", "adversarial", seed=2, seq_len=64, width=12), (24, 2), "bfloat16",
          padded_split, 1e-2),
         (make_problem("cp", "random", seed=3, seq_len=96, width=16), (12, 1), "float32", None, 1e-4),
+        (make_problem("packed", "adversarial", seed=4, seq_len=100, width=12), (24, 2), "bfloat16", None, 1e-2),
     ]
     worst = 0.0
     for problem, heads, dtype, blocks, tol in cases:
