@@ -44,7 +44,9 @@ class BlockSizes:
     ``block_m`` consecutive (query row, head) pairs instead of T rows x G_pad heads,
     so no matrix row is head padding (G=12 pads a quarter of every dot otherwise);
     its rows span up to ``(block_m - 1) // G + 2`` query rows. On by default for
-    16-bit inputs at D > 128 (measured faster there, see :meth:`default`).
+    16-bit inputs at D > 128 (measured faster there, see :meth:`default`). Where the
+    backward's geometry (``*_bwd``) equals the forward's, the backward reuses the
+    forward's route unions (kept as residuals) instead of sorting the routes again.
     """
 
     block_m: int = 128
@@ -71,7 +73,9 @@ class BlockSizes:
         QSA routes: forward 11.9 ms with 3 stages against 12.4 with 2; backward 49.9 ms
         with 64-ID chunks against 60.4 with 32; flattened heads, which only change
         groups that are not a power of two, 9.7 ms forward and 39.9 ms backward against
-        12.0 and 49.6 padded, the unions 4.3 ms against 4.1); small tiles for interpret
+        12.0 and 49.6 padded, the unions 4.3 ms against 4.1; backward programs of 128
+        flat pairs, 26.1 ms against 40.4 at 64, and the forward's unions reused:
+        forward+backward 39.4 ms against 58.2, docs/benchmarks.md); small tiles for interpret
         mode; for fp32 inputs tiles that fit the 227 KiB of shared memory (fp32 operands
         take twice the bytes: the 16-bit tiles asked for 385 KiB there)."""
         if interpret:
