@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._pallas_atomics import relaxed_addupdate
-from .routes import on_gpu, prepare_routes, validate_inputs
+from .routes import gpu_capability, on_gpu, prepare_routes, validate_inputs
 
 __all__ = ["BlockSizes", "pallas_sparse_gqa_attention", "tile_route_union"]
 
@@ -68,7 +68,8 @@ class BlockSizes:
             raise TypeError(f"BlockSizes.flatten_heads must be a bool, got {self.flatten_heads!r}")
 
     @classmethod
-    def default(cls, head_dim: int, interpret: bool, dtype=jnp.bfloat16) -> "BlockSizes":
+    def default(cls, head_dim: int, interpret: bool, dtype=jnp.bfloat16,
+                capability: tuple[int, int] | None = None) -> "BlockSizes":
         """The defaults: tuned on the H200 for 16-bit inputs at D=256 (S=32768, (24,2),
         QSA routes: forward 11.9 ms with 3 stages against 12.4 with 2; backward 49.9 ms
         with 64-ID chunks against 60.4 with 32; flattened heads, which only change
@@ -77,10 +78,13 @@ class BlockSizes:
         flat pairs, 26.1 ms against 40.4 at 64, and the forward's unions reused:
         forward+backward 39.4 ms against 58.2, docs/benchmarks.md); small tiles for interpret
         mode; for fp32 inputs tiles that fit the 227 KiB of shared memory (fp32 operands
-        take twice the bytes: the 16-bit tiles asked for 385 KiB there)."""
+        take twice the bytes: the 16-bit tiles asked for 385 KiB there). The tuned 16-bit
+        backward takes 192 KiB per program: GPUs of a known ``capability`` other than
+        SM90/SM100 (227 KiB per block; SM80 has 163, SM120 99) get those small tiles too."""
         if interpret:
             return cls(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
-        if jnp.dtype(dtype) == jnp.float32:
+        small_memory = capability is not None and capability[0] not in (9, 10)
+        if jnp.dtype(dtype) == jnp.float32 or (small_memory and head_dim > 128):
             return cls(block_m=64, block_k=16, num_stages=1, block_m_bwd=32, block_k_bwd=16)
         if head_dim <= 128:  # not measured at these head dims
             return cls(block_m=128, block_k=64, num_stages=2, block_m_bwd=128, block_k_bwd=32)
@@ -502,7 +506,8 @@ def pallas_sparse_gqa_attention(
         interpret = not on_gpu(query)
     pairs = checked.dims.query_length * checked.dims.group_size
     if block_sizes is None:
-        block_sizes = BlockSizes.default(checked.dims.head_dim, interpret, query.dtype)
+        block_sizes = BlockSizes.default(checked.dims.head_dim, interpret, query.dtype,
+                                         None if interpret else gpu_capability(query))
         if block_sizes.flatten_heads and not _pairs_fit_int32(pairs, block_sizes):
             block_sizes = dataclasses.replace(block_sizes, flatten_heads=False)
     elif block_sizes.flatten_heads and not _pairs_fit_int32(pairs, block_sizes):

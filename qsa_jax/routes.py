@@ -95,6 +95,24 @@ def on_gpu(x: Any) -> bool:
     return all(d.platform == "gpu" for d in devices)
 
 
+def gpu_capability(x: Any) -> tuple[int, int] | None:
+    """CUDA compute capability ``(major, minor)`` of the GPU ``x`` lives on (for
+    tracers and host arrays, of the default backend's first device), or None where
+    that is not a CUDA GPU or does not say."""
+    devices = _devices(x)
+    if devices is None:
+        devices = jax.devices() if jax.default_backend() == "gpu" else ()
+    for device in devices:
+        text = getattr(device, "compute_capability", None)
+        if device.platform == "gpu" and isinstance(text, str):
+            try:
+                major, minor = text.split(".")[:2]
+                return int(major), int(minor)
+            except ValueError:
+                return None
+    return None
+
+
 def validate_inputs(
     query: Any,
     key: Any,

@@ -341,3 +341,33 @@ def test_backward_reuses_the_forward_unions_when_tiles_match(monkeypatch, block_
     want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
     for g, w in zip(grads, want[1:]):
         assert relative_error(np.asarray(g), w) < 1e-5
+
+
+@pytest.mark.parametrize("capability, tuned", [(None, True), ((9, 0), True), ((10, 0), True),
+                                               ((8, 0), False), ((12, 0), False)])
+def test_default_block_sizes_follow_the_gpu(capability, tuned):
+    """The tuned 16-bit tiles (192 KiB of shared memory per backward program) only where
+    blocks may take 227 KiB (SM90, SM100) or the capability is unknown; elsewhere the
+    small tiles fp32 uses."""
+    import jax.numpy as jnp
+
+    from qsa_jax.pallas_qsa import BlockSizes
+
+    got = BlockSizes.default(256, False, jnp.bfloat16, capability)
+    small = BlockSizes.default(256, False, jnp.float32)
+    assert (got.block_m_bwd == 128 and got.flatten_heads) if tuned else got == small
+
+
+def test_gpu_capability_of_where_an_array_lives():
+    import jax
+    import jax.numpy as jnp
+
+    from qsa_jax.routes import gpu_capability
+
+    cpu = jax.device_put(jnp.zeros(3), jax.devices("cpu")[0])
+    assert gpu_capability(cpu) is None
+    host = gpu_capability(np.zeros(3))  # a host array: the default backend's GPU, if any
+    if jax.default_backend() == "gpu":
+        assert isinstance(host, tuple) and len(host) == 2 and host[0] >= 5
+    else:
+        assert host is None

@@ -530,6 +530,27 @@ def test_default_plans(group, rows, fwd_heads, bwd_rows, bwd_heads):
         rows, fwd_heads, bwd_rows, bwd_heads)
 
 
+@pytest.mark.parametrize("capability, shared_memory, head_dim, dtype, tuned", [
+    ((9, 0), 232448, 256, torch.bfloat16, True),  # H100 / H200
+    ((10, 0), 232448, 256, torch.float16, True),  # B200
+    ((12, 0), 101376, 256, torch.bfloat16, False),  # consumer Blackwell: 99 KiB per block
+    ((8, 0), 166912, 256, torch.bfloat16, False),  # A100
+    ((9, 0), 232448, 256, torch.float32, False),  # fp32 operands take twice the bytes
+    ((9, 0), 232448, 128, torch.bfloat16, False),  # tuned at D = 256 only
+    ((9, 0), None, 256, torch.bfloat16, True),  # a torch without the property: capability decides
+])
+def test_default_block_sizes_follow_the_device(monkeypatch, capability, shared_memory, head_dim, dtype, tuned):
+    from types import SimpleNamespace
+
+    props = SimpleNamespace() if shared_memory is None else SimpleNamespace(
+        shared_memory_per_block_optin=shared_memory)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    got = triton_qsa.default_block_sizes(torch.device("cuda", 0), head_dim, dtype)
+    assert got == (triton_qsa.DEFAULT_BLOCK_SIZES if tuned else triton_qsa.SAFE_BLOCK_SIZES)
+    assert triton_qsa.default_block_sizes(torch.device("cpu"), 256, torch.bfloat16) == triton_qsa.SAFE_BLOCK_SIZES
+
+
 def test_default_block_sizes_in_interpret_mode():
     """The GPU's default tiling (flat programs of 128 (row, head) pairs over 64-ID
     chunks, forward and backward) at D=256 and G=12 through the interpreter, so its
