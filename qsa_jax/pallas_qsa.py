@@ -44,9 +44,13 @@ class BlockSizes:
     ``block_m`` consecutive (query row, head) pairs instead of T rows x G_pad heads,
     so no matrix row is head padding (G=12 pads a quarter of every dot otherwise);
     its rows span up to ``(block_m - 1) // G + 2`` query rows. On by default for
-    16-bit inputs at D > 128 (measured faster there, see :meth:`default`). Where the
-    backward's geometry (``*_bwd``) equals the forward's, the backward reuses the
-    forward's route unions (kept as residuals) instead of sorting the routes again.
+    16-bit inputs at D > 128 on SM90/SM100 or an unknown GPU (measured faster there,
+    see :meth:`default`). Where the backward's geometry (``*_bwd``) equals the
+    forward's, the backward reuses the forward's route unions instead of sorting the
+    routes again; they are then residuals that live from forward to backward (union
+    and row bits, int32 ``[B, n_programs, ~span * K]`` each: about 0.56 GiB per layer
+    at S=32768, G=12, K=2052). ``block_m_bwd=64`` trades that memory for a second
+    sort and a slower backward (58.2 against 39.4 ms forward+backward there).
     """
 
     block_m: int = 128

@@ -8,8 +8,8 @@ the routes of its rows and a per-ID bitmask of which rows route there
 walks that union in chunks of ``block_k`` IDs, gathers each K/V row once for all
 T * heads matrix rows, and runs an fp32 online softmax (forward, saving the
 log-sum-exp) or the fused backward (dQ kept in registers, dK/dV added to fp32
-accumulators with one atomic add per union chunk). With ``flatten_heads`` (the SM90
-default for 16-bit inputs at D > 128) a program takes consecutive (row, head) pairs
+accumulators with one atomic add per union chunk). With ``flatten_heads`` (the
+default for 16-bit inputs at D > 128 on SM90+ GPUs with the shared memory for it) a program takes consecutive (row, head) pairs
 instead of T rows x padded heads, forward and backward alike; otherwise the
 backward's tiles may be shorter than the forward's, their unions cut out of the
 forward's, not sorted again.
@@ -77,7 +77,8 @@ class BlockSizes:
     ``(block_m - 1) // G + 2`` query rows, and the backward takes the forward's
     programs (``backward_block_m`` does not apply). Their unions are cut out of those
     of taller tiles where some tile of <= 32 rows holds whole programs, else sorted per
-    program (:func:`build_flat_unions`). The SM90 default at D > 128.
+    program (:func:`build_flat_unions`). On by default for 16-bit inputs at D > 128
+    where :func:`default_block_sizes` picks the tuned tiling.
     ``backward_flatten_heads``: the forward keeps its padded tiles; the backward's
     programs take ``backward_block_m`` consecutive pairs each, their unions cut out of
     the unions of tiles of T_u rows (T_u: the smallest power-of-two multiple of T whose
@@ -118,9 +119,9 @@ class BlockSizes:
 
 
 # H200 at D = 256, S = 32768, (24,2), QSA routes (docs/benchmarks.md, fourth session):
-# flat programs of 128 (row, head) pairs forward and backward over 64-ID chunks, 42.6 ms
-# forward+backward against 52.9 ms with padded 8-row forward tiles and a flat 64-pair
-# backward and 61.7 ms with padded tiles throughout (4 rows x 16 heads backward): twice
+# flat programs of 128 (row, head) pairs forward and backward over 64-ID chunks, 38.4 ms
+# forward+backward against 52.8 ms with padded 8-row forward tiles and a flat 64-pair
+# backward and 61.1 ms with padded tiles throughout (4 rows x 16 heads backward): twice
 # the matrix rows per backward program halve the dK/dV atomic traffic. Where G is a
 # power of two flatten_heads changes nothing. Other devices and head dims get lighter tiles.
 DEFAULT_BLOCK_SIZES = BlockSizes(num_stages=3, backward_block_k=64, backward_num_stages=1, flatten_heads=True)
@@ -299,7 +300,8 @@ def build_flat_unions(routes: torch.Tensor, kv_length: int, plan: _Plan) -> Tile
     With the Triton union kernels, where tiles of T_u rows hold whole programs
     (:func:`_flat_union_rows`, e.g. 32 rows = 3 programs of 128 pairs at G = 12), the
     unions are cut out of those tiles' (every route sorted once); else each program's
-    span of rows is sorted (up to twice as many keys)."""
+    span of rows is sorted: span * G / pairs times the keys (1.5x at G = 12, 128
+    pairs; up to ~2.6x for other groups)."""
     _check_union_arguments(routes, kv_length, plan.rows_per_tile)
     bsz, s_q, k = routes.shape
     n_blocks = plan.n_tiles(s_q)

@@ -411,6 +411,42 @@ def test_flattened_heads_against_the_oracle(heads, layout, family):
     assert np.all(got[0][empty] == 0) and np.all(got[1][empty] == 0)
 
 
+@pytest.mark.parametrize("heads", [(3, 1), (6, 2)])
+def test_flat_programs_sorted_per_program_against_the_oracle(heads):
+    """G = 3 with 64-pair programs: 3 * T is never a multiple of 64 for T <= 32, so no
+    tile holds whole programs and the key kernel sorts each program's span of rows (32
+    rows, so rowbits' bit 31 is used); out and all gradients match the oracle."""
+    rng = _fresh_rng()
+    problem = make_problem("padded", "adversarial", seed=int(rng.integers(2**31)), seq_len=45, width=7)
+    blocks = dataclasses.replace(SMALL, block_m=64, flatten_heads=True)
+    plan = triton_qsa._make_plan(heads[0] // heads[1], 16, blocks)
+    assert plan.flat and plan.rows_per_tile == 32
+    assert triton_qsa._flat_union_rows(plan.group, plan.fwd_heads, plan.rows_per_tile) is None
+    _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks, rng, 0.3)
+
+
+def test_residual_form_with_a_flat_default(monkeypatch):
+    """The custom ops' residual form (forward_with_residuals / residual_shapes /
+    backward_from_residuals) under a flat default plan, as on SM90: the residuals have
+    the shapes the fake implementation announces and the backward from them matches the
+    oracle."""
+    blocks = dataclasses.replace(SMALL, block_m=32, flatten_heads=True)
+    monkeypatch.setattr(triton_qsa, "default_block_sizes", lambda *a: blocks)
+    rng = _fresh_rng()
+    problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=30, top_k=3)
+    q, k, v, do = (torch.from_numpy(x).float().to(DEVICE)
+                   for x in random_inputs(rng, problem.routes, problem.kv_length, (12, 1), 16, "float32"))
+    routes = torch.from_numpy(problem.routes).to(DEVICE)
+    assert triton_qsa._default_plan(q, k).flat
+    results = triton_qsa.forward_with_residuals(q, k, v, routes, 0.3)
+    assert [(tuple(x.shape), x.dtype) for x in results] == triton_qsa.residual_shapes(q, k, routes)
+    grads = triton_qsa.backward_from_residuals(do, q, k, v, *results, 0.3, routes.shape[2])
+    want = oracle_forward_backward(*(x.cpu().double().numpy() for x in (q, k, v)), problem.routes, 0.3,
+                                   do.cpu().double().numpy())
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (results[0], *grads), want):
+        assert relative_error(got.cpu().double().numpy(), ref) < 1e-5, name
+
+
 @pytest.mark.parametrize("path", ["cut_from_tiles", "sorted_per_program", "torch"])
 def test_flat_unions_match_brute_force(monkeypatch, path):
     """Every way build_flat_unions has (tile unions cut into programs, each program's

@@ -251,8 +251,9 @@ class Bench:
         count = unions.count.double()
         row["rows_per_tile"] = plan.rows_per_tile
         row["mean_union_per_tile"] = float(count.mean())
-        # matrix work done (union x padded heads) over useful work (routes x heads)
-        row["work_amplification"] = float(count.sum()) * plan.rows_per_tile * 16 / (self.sum_routes * 12)
+        # matrix work done (union x matrix rows of a program) over useful work (routes x heads)
+        matrix_rows = plan.fwd_heads if plan.flat else plan.rows_per_tile * 16
+        row["work_amplification"] = float(count.sum()) * matrix_rows / (self.sum_routes * 12)
         return row
 
 
@@ -266,7 +267,7 @@ def _blocks(fwd, bwd=None):
                DEFAULT_BLOCK_SIZES.backward_num_warps, DEFAULT_BLOCK_SIZES.backward_num_stages)
     _, bm, bk, bw, bs = bwd
     return BlockSizes(backward_block_m=bm, backward_block_k=bk, backward_num_warps=bw,
-                      backward_num_stages=bs, **kwargs)
+                      backward_num_stages=bs, flatten_heads=DEFAULT_BLOCK_SIZES.flatten_heads, **kwargs)
 
 
 def autotune(bench: Bench, fwd_configs, bwd_configs, results: dict, label: str):
@@ -305,7 +306,7 @@ def sanitizer_probe() -> int:
     from runners import run_torch
 
     from qsa_common.oracle import oracle_forward_backward, relative_error
-    from qsa_torch.triton_qsa import SAFE_BLOCK_SIZES, triton_sparse_gqa_attention
+    from qsa_torch.triton_qsa import DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, triton_sparse_gqa_attention
 
     rng = np.random.default_rng(0)
     cases = [
@@ -315,7 +316,8 @@ def sanitizer_probe() -> int:
         (make_problem("cp", "random", seed=3, seq_len=64, width=12), (24, 2), 256, "bfloat16", None, 1e-2),
         # G = 6: no tile of <= 32 rows holds whole 128-pair programs, so the key kernel
         # sorts each program's rows (flat PAIRS mode) instead of cutting tile unions
-        (make_problem("padded", "qsa", seed=4, seq_len=80, top_k=5), (6, 1), 256, "bfloat16", None, 1e-2),
+        (make_problem("padded", "qsa", seed=4, seq_len=80, top_k=5), (6, 1), 256, "bfloat16",
+         DEFAULT_BLOCK_SIZES, 1e-2),
     ]
     worst = 0.0
     for problem, heads, d, dtype, blocks, tol in cases:
