@@ -58,8 +58,8 @@ logger = logging.getLogger("qsa_torch")
 # (docs/benchmarks.md); "reference" is appended to every list.
 PREFERENCE: dict[str, tuple[str, ...]] = {
     "sm100": ("cudnn", "triton", "fa4", "flex"),  # SM100 / SM103 (Blackwell)
-    # Hopper: measured 2026-11-30, third session (docs/benchmarks.md), fwd+bwd at
-    # S=8192 / 32768: triton 14.0 / 62.6 ms, fa4 23.4 / 332 ms, flex 40.0 / 549 ms.
+    # Hopper: measured 2026-11-30, fourth session (docs/benchmarks.md), fwd+bwd at
+    # S=8192 / 32768: triton 8.34 / 38.8 ms, fa4 23.8 / 334 ms, flex 40.3 / 552 ms.
     "sm90": ("triton", "fa4", "flex"),
     "cuda": ("triton", "flex"),  # other CUDA GPUs
     "cpu": ("reference",),  # CPU and any other device
