@@ -78,19 +78,11 @@ def _load_count(COUNT, index):
 
 
 @triton.jit
-def _tile_coordinates(S_q, HKV, G, HB: tl.constexpr, T: tl.constexpr, D, D_PAD: tl.constexpr, N_CHUNKS,
-                      FLAT: tl.constexpr):
-    """Program -> tile, batch, KV head, and per matrix row m: its bit t in ``rowbits``,
-    the query row and head (int64, clamped to 0 where invalid) and their validity.
-
-    Padded tiles (m = t * HB + j): T rows of one batch row, heads ``chunk * HB + j``.
-    Flat (FLAT, T = 1, N_CHUNKS = 1): program p's rows are the (row, head) pairs
-    ``p * HB + m`` of one KV head's group, in row-major order, and t counts query rows
-    from the program's first one."""
-    tile = tl.program_id(0)
+def _pair_coordinates(tile, S_q, HKV, G, HB: tl.constexpr, T: tl.constexpr, N_CHUNKS, FLAT: tl.constexpr):
+    """Per matrix row m of program (``tile``, ``tl.program_id(1)``): its bit t in
+    ``rowbits``, query head and row (int64, 0 where invalid) and validity."""
     pid = tl.program_id(1)
     chunk = pid % N_CHUNKS
-    b = pid // N_CHUNKS // HKV
     g = pid // N_CHUNKS % HKV
     m = tl.arange(0, T * HB)
     if FLAT:
@@ -105,6 +97,24 @@ def _tile_coordinates(S_q, HKV, G, HB: tl.constexpr, T: tl.constexpr, D, D_PAD: 
     row_ok = (row < S_q) & (local_head < G)
     head = tl.where(row_ok, g * G + local_head, 0).to(tl.int64)
     row64 = tl.where(row_ok, row, 0).to(tl.int64)
+    return t, head, row64, row_ok
+
+
+@triton.jit
+def _tile_coordinates(S_q, HKV, G, HB: tl.constexpr, T: tl.constexpr, D, D_PAD: tl.constexpr, N_CHUNKS,
+                      FLAT: tl.constexpr):
+    """Program -> tile, batch, KV head, and per matrix row m: its bit t in ``rowbits``,
+    the query row and head (int64, clamped to 0 where invalid) and their validity.
+
+    Padded tiles (m = t * HB + j): T rows of one batch row, heads ``chunk * HB + j``.
+    Flat (FLAT, T = 1, N_CHUNKS = 1): program p's rows are the (row, head) pairs
+    ``p * HB + m`` of one KV head's group, in row-major order, and t counts query rows
+    from the program's first one."""
+    tile = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = pid // N_CHUNKS // HKV
+    g = pid // N_CHUNKS % HKV
+    t, head, row64, row_ok = _pair_coordinates(tile, S_q, HKV, G, HB, T, N_CHUNKS, FLAT)
     d = tl.arange(0, D_PAD)
     d_ok = d < D
     io_mask = row_ok[:, None] & d_ok[None, :]
@@ -167,7 +177,8 @@ def _forward_step(start, count, q, t, row_ok, d, d_ok, m_i, l_i, acc, union, row
 def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq, union, rowbits,
                    k_base, v_base, dk_base, dv_base, sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2,
                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                   SKIP_DKDV: tl.constexpr, EVEN_D: tl.constexpr, OFFS32: tl.constexpr):
+                   SKIP_DKDV: tl.constexpr, EVEN_D: tl.constexpr, OFFS32: tl.constexpr,
+                   LEAN_REGISTERS: tl.constexpr):
     """dQ update and the chunk's dK/dV atomic adds; returns the new dQ (unscaled)."""
     rows, kv_mask, k, v, member = _gather_chunk(
         start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s, sv_d, d, d_ok, t, row_ok, BLOCK_K,
@@ -185,11 +196,22 @@ def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
         kv_mask = kv_mask & (tl.full([BLOCK_K], sdk_s, tl.int64) < 0)[:, None]
     # rows past count carry zeros and are masked: they add nothing. Each [BLOCK_K, D]
     # block is added as soon as it is computed, so only one of them holds registers.
-    acc_off = rows[:, None] * sdk_s + d[None, :]
-    dv_blk = _mm(tl.trans(_cast(p, do.dtype, INTERPRET)), do, IEEE)
-    tl.atomic_add(dv_base + acc_off, dv_blk, mask=kv_mask, sem="relaxed")
-    dk_blk = _mm(tl.trans(_cast(ds, q.dtype, INTERPRET)), q, IEEE) * scale
-    tl.atomic_add(dk_base + acc_off, dk_blk, mask=kv_mask, sem="relaxed")
+    if LEAN_REGISTERS:
+        # dV^T = dO^T P and dK^T = Q^T dS: both wgmma operands can come from shared
+        # memory (no [BLOCK_K, D] bf16 operand held in registers). The same products
+        # summed in the same order; the adds stay 4-wide along D (ptxas, sm_90a).
+        acc_off_t = rows[None, :] * sdk_s + d[:, None]
+        kv_mask_t = tl.trans(kv_mask)
+        dv_t = _mm(tl.trans(do), _cast(p, do.dtype, INTERPRET), IEEE)
+        tl.atomic_add(dv_base + acc_off_t, dv_t, mask=kv_mask_t, sem="relaxed")
+        dk_t = _mm(tl.trans(q), _cast(ds, q.dtype, INTERPRET), IEEE) * scale
+        tl.atomic_add(dk_base + acc_off_t, dk_t, mask=kv_mask_t, sem="relaxed")
+    else:
+        acc_off = rows[:, None] * sdk_s + d[None, :]
+        dv_blk = _mm(tl.trans(_cast(p, do.dtype, INTERPRET)), do, IEEE)
+        tl.atomic_add(dv_base + acc_off, dv_blk, mask=kv_mask, sem="relaxed")
+        dk_blk = _mm(tl.trans(_cast(ds, q.dtype, INTERPRET)), q, IEEE) * scale
+        tl.atomic_add(dk_base + acc_off, dk_blk, mask=kv_mask, sem="relaxed")
     return dq
 
 
@@ -263,6 +285,7 @@ def qsa_backward_kernel(
     T: tl.constexpr, HB: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, INTERPRET: tl.constexpr, SKIP_DKDV: tl.constexpr = False,
     FLAT: tl.constexpr = False, EVEN_D: tl.constexpr = False, OFFS32: tl.constexpr = False,
+    LEAN_REGISTERS: tl.constexpr = False,
 ):
     """Fused backward of one program: dQ in registers (written once), dK/dV by atomics.
 
@@ -270,7 +293,8 @@ def qsa_backward_kernel(
     entry; each union chunk adds its [BLOCK_K, D] block (IDs within a chunk are
     distinct, so a chunk never adds to one address twice). ``SKIP_DKDV``, a measurement
     hook, masks every add off at run time: the kernel's time without the atomics'
-    memory traffic.
+    memory traffic. ``LEAN_REGISTERS``: the same results with less register pressure
+    (transposed dK/dV products, dQ-store coordinates recomputed after the loop).
     """
     tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask = _tile_coordinates(
         S_q, HKV, G, HB, T, D, D_PAD, N_CHUNKS, FLAT)
@@ -300,7 +324,7 @@ def qsa_backward_kernel(
                 start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
                 UNION + tile_base, ROWBITS + tile_base, k_base, v_base, dk_base, dv_base,
                 sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, BLOCK_K, IEEE, INTERPRET, SKIP_DKDV,
-                EVEN_D, OFFS32)
+                EVEN_D, OFFS32, LEAN_REGISTERS)
             start += BLOCK_K
     else:
         # Ascending IDs in every program: programs of neighbouring tiles run together over
@@ -311,8 +335,15 @@ def qsa_backward_kernel(
                 start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
                 UNION + tile_base, ROWBITS + tile_base, k_base, v_base, dk_base, dv_base,
                 sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, BLOCK_K, IEEE, INTERPRET, SKIP_DKDV,
-                EVEN_D, OFFS32)
+                EVEN_D, OFFS32, LEAN_REGISTERS)
 
+    if LEAN_REGISTERS:
+        # the store's per-row coordinates again, from a tile the compiler cannot prove
+        # equal to the prologue's (count is never negative), so the prologue's int64
+        # offsets and masks are not held (spilled) across the loop
+        _, head, row64, row_ok = _pair_coordinates(tl.where(count < 0, 0, tile), S_q, HKV, G, HB, T,
+                                                   N_CHUNKS, FLAT)
+        io_mask = row_ok[:, None] & d_ok[None, :]
     dq_ptr = DQ + b64 * sdq_b + row64[:, None] * sdq_s + head[:, None] * sdq_h + d[None, :] * sdq_d
     tl.store(dq_ptr, _cast(dq * scale, DQ.dtype.element_ty, INTERPRET), mask=io_mask)
 

@@ -53,6 +53,10 @@ KERNEL_OPTIONS = {
     "offs32": True,  # 32-bit element offsets where every one fits (checked per call)
     "triton_unions": True,  # union steps after the sort, and splits, as Triton kernels
     "flat_unions_from_tiles": True,  # flat unions cut from tile unions where tiles hold whole programs
+    # backward with less register pressure, same results: ptxas (sm_90a, the H200 tiling)
+    # spills 556 -> 100 bytes at 64-ID chunks, none at 32-ID chunks, which then fit shared
+    # memory (168 KiB); not yet timed on a GPU, so off
+    "lean_backward": False,
 }
 
 
@@ -130,10 +134,11 @@ SAFE_BLOCK_SIZES = BlockSizes(block_m=64, block_k=32, num_warps=4, num_stages=2,
                               backward_num_warps=4, backward_num_stages=1)
 
 
-# Shared memory per program of DEFAULT_BLOCK_SIZES at D = 256, 16-bit (ptxas for sm_90a:
-# backward 192 KiB, forward 128.5 KiB with 3 stages). SM90 and SM100 parts allow 227 KiB
-# per block; SM120 ones (consumer Blackwell) about 99 KiB.
-_TUNED_SHARED_MEMORY = 192 * 1024
+# Shared memory per program of DEFAULT_BLOCK_SIZES at D = 256, 16-bit, compiled for
+# sm_90a as a launch specialises it (unit strides along D): forward 197120 bytes (3
+# stages), backward 196608. SM90 and SM100 parts allow 227 KiB per block; SM120 ones
+# (consumer Blackwell) about 99 KiB.
+_TUNED_SHARED_MEMORY = 197120
 
 
 def default_block_sizes(device: torch.device, head_dim: int, dtype: torch.dtype) -> BlockSizes:
@@ -691,7 +696,8 @@ def _backward(q, k, v, out, lse, grad_out, unions: TileUnions, scale: float, pla
     constexprs = dict(T=1 if flat else plan.backward_rows, D_PAD=plan.head_dim_pad,
                       IEEE=interpreted or q.dtype == torch.float32, INTERPRET=interpreted,
                       SKIP_DKDV=skip_dkdv, FLAT=flat, EVEN_D=d == plan.head_dim_pad,
-                      OFFS32=_offsets_fit_int32((s_kv, k), (s_kv, v), (s_kv, dk)))
+                      OFFS32=_offsets_fit_int32((s_kv, k), (s_kv, v), (s_kv, dk)),
+                      LEAN_REGISTERS=KERNEL_OPTIONS["lean_backward"])
     b = plan.blocks
     _launch(kernels.qsa_backward_kernel, args, constexprs, unions, bsz * hkv, plan.group,
             plan.bwd_heads, b.backward_block_k, b.backward_num_warps, b.backward_num_stages,

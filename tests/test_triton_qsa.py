@@ -543,6 +543,31 @@ def test_int64_offsets_against_the_oracle(monkeypatch):
     _check_against_oracle(problem.routes, problem.kv_length, (6, 2), 16, "float32", MEDIUM, rng, 0.3)
 
 
+@pytest.mark.parametrize("layout, family, heads, blocks", [
+    ("packed", "adversarial", (6, 2), MEDIUM),  # padded tiles, head padding
+    ("padded", "qsa", (12, 1), dataclasses.replace(SMALL, block_m=32, flatten_heads=True)),  # flat
+    ("cp", "random", (4, 1), SMALL),  # partial last chunk: masked transposed adds
+])
+def test_lean_backward_against_the_oracle(monkeypatch, layout, family, heads, blocks):
+    """KERNEL_OPTIONS["lean_backward"] (transposed dK/dV products, dQ-store
+    coordinates recomputed) computes the same gradients: against the oracle, and to
+    fp32 rounding against the default backward (the same products; only the order in
+    which the interpreter's matmul sums them may differ)."""
+    rng = _fresh_rng()
+    problem = make_problem(layout, family, seed=int(rng.integers(2**31)), seq_len=30,
+                           **(dict(top_k=3) if family == "qsa" else dict(width=7)))
+    seed = int(rng.integers(2**31))
+    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "lean_backward", True)
+    lean = _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks,
+                                 np.random.default_rng(seed), 0.3)
+    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "lean_backward", False)
+    default = _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks,
+                                    np.random.default_rng(seed), 0.3)
+    assert np.array_equal(lean[0], default[0])  # the forward is untouched
+    for a, b in zip(lean[1:], default[1:]):
+        assert relative_error(a, b) < 1e-6
+
+
 def test_offsets_fit_int32_checks_the_largest_offset(monkeypatch):
     small = torch.empty(1, 8, 2, 16)
     assert triton_qsa._offsets_fit_int32((8, small))

@@ -20,6 +20,7 @@ Every sub-check is wrapped so that one failure does not lose the others.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -306,6 +307,7 @@ def sanitizer_probe() -> int:
     from runners import run_torch
 
     from qsa_common.oracle import oracle_forward_backward, relative_error
+    from qsa_torch import triton_qsa
     from qsa_torch.triton_qsa import DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, triton_sparse_gqa_attention
 
     rng = np.random.default_rng(0)
@@ -319,14 +321,19 @@ def sanitizer_probe() -> int:
         (make_problem("padded", "qsa", seed=4, seq_len=80, top_k=5), (6, 1), 256, "bfloat16",
          DEFAULT_BLOCK_SIZES, 1e-2),
     ]
+    # the lean backward (KERNEL_OPTIONS["lean_backward"]) at 64- and 32-ID chunks
+    lean_k32 = dataclasses.replace(DEFAULT_BLOCK_SIZES, backward_block_k=32)
+    cases += [(make_problem("packed", "adversarial", seed=5, seq_len=70, width=9), (12, 1), 256, "bfloat16",
+               blocks, 1e-2, "lean") for blocks in (DEFAULT_BLOCK_SIZES, lean_k32)]
     worst = 0.0
-    for problem, heads, d, dtype, blocks, tol in cases:
+    for problem, heads, d, dtype, blocks, tol, *lean in cases:
         q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, heads, d, dtype)
         fn = lambda *a, b=blocks: triton_sparse_gqa_attention(*a, block_sizes=b)  # noqa: E731
+        triton_qsa.KERNEL_OPTIONS["lean_backward"] = bool(lean)
         got = run_torch(fn, q, k, v, problem.routes, d ** -0.5, do, dtype, device=DEVICE)
         want = oracle_forward_backward(q, k, v, problem.routes, d ** -0.5, do)
         errs = [relative_error(g, w) for g, w in zip(got, want)]
-        print("probe", problem.layout, heads, dtype, ["%.2e" % e for e in errs], flush=True)
+        print("probe", problem.layout, heads, dtype, *lean, ["%.2e" % e for e in errs], flush=True)
         worst = max(worst, max(e / tol for e in errs))
     if DEVICE == "cuda":
         torch.cuda.synchronize()

@@ -133,14 +133,15 @@ def torch_part(routes_np, s, n_routes):
     record("torch_unions", "triton_kernels", unions)
     record("torch_unions", "torch_ops", lambda: unions(triton_unions=False))
 
-    def bwd(skip=False, **kw):
+    def bwd(skip=False, opts=None, **kw):
         plan = plan_for(**kw)
         if (plan.flat, plan.rows_per_tile, plan.union_rows) not in fwd_cache:
             fwd(**kw)
         unions, out, lse = fwd_cache[plan.flat, plan.rows_per_tile, plan.union_rows]
         run = lambda: tq._backward(q, k, v, out, lse, do, unions, 1 / 16, plan, top_k,  # noqa: E731
                                    skip_dkdv=skip)
-        ms = bench(run)
+        with options(**(opts or {})):
+            ms = bench(run)
         return dict(ms=ms, useful_tflops=2.5 * flops / ms / 1e9, T=plan.backward_rows, HB=plan.bwd_heads)
 
     # default: flat programs of 128 pairs; padded: 4 rows x 16 heads, unions cut from
@@ -148,7 +149,11 @@ def torch_part(routes_np, s, n_routes):
     for name, kw in (("default", {}),
                      ("default_no_atomic_traffic", dict(skip=True)),
                      ("padded", dict(flatten_heads=False)),
-                     ("flat_backward", dict(flatten_heads=False, backward_flatten_heads=True))):
+                     ("flat_backward", dict(flatten_heads=False, backward_flatten_heads=True)),
+                     ("lean", dict(opts=dict(lean_backward=True))),
+                     ("lean_k32", dict(opts=dict(lean_backward=True), backward_block_k=32)),
+                     ("lean_k32_s2", dict(opts=dict(lean_backward=True), backward_block_k=32,
+                                          backward_num_stages=2))):
         record("torch_bwd_kernel", name, lambda kw=kw: bwd(**kw))
 
     def end_to_end(opts=None, **kw):
@@ -167,6 +172,8 @@ def torch_part(routes_np, s, n_routes):
 
     for name, kw in (("default", {}), ("torch_union_ops", dict(opts=dict(triton_unions=False))),
                      ("flat_keys_per_program", dict(opts=dict(flat_unions_from_tiles=False))),
+                     ("lean_backward", dict(opts=dict(lean_backward=True))),
+                     ("lean_backward_k32", dict(opts=dict(lean_backward=True), backward_block_k=32)),
                      ("flat_fwd_s2", dict(num_stages=2)),
                      ("flat_fwd_k32", dict(block_k=32)),
                      ("padded", dict(flatten_heads=False)),
