@@ -51,6 +51,10 @@ class BlockSizes:
     and row bits, int32 ``[B, n_programs, ~span * K]`` each: about 0.56 GiB per layer
     at S=32768, G=12, K=2052). ``block_m_bwd=64`` trades that memory for a second
     sort and a slower backward (58.2 against 39.4 ms forward+backward there).
+    ``lean_backward``: compute and add the dK/dV blocks transposed (dV^T = dO^T P,
+    dK^T = Q^T dS), the same results; for sm_90a it removes ptxas's warning that the
+    backward's wgmma instructions are serialized for lack of registers (C7512). Not yet
+    timed on a GPU, so off.
     """
 
     block_m: int = 128
@@ -62,6 +66,7 @@ class BlockSizes:
     num_warps_bwd: int = 8
     num_stages_bwd: int = 1
     flatten_heads: bool = False
+    lean_backward: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "block_m_bwd", "block_k_bwd"):
@@ -308,7 +313,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, o_ref, 
 
 def _backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, union_ref, bits_ref,
                      count_ref, dk_in_ref, dv_in_ref, dq_ref, dk_ref, dv_ref, *,
-                     scale: float, geo: _Geometry):
+                     scale: float, geo: _Geometry, lean: bool = False):
     del dk_in_ref, dv_in_ref  # aliased with dk_ref / dv_ref
     m_rows = geo.block_m
     rows_of = _rows_of(geo)
@@ -329,8 +334,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, union_ref,
         ds = p * (dp - delta[:, None])
         dq = dq + _dot(ds.astype(k.dtype), k)
         # padding IDs point at row 0 with all-zero contributions
-        relaxed_addupdate(dv_ref, (ids[:, None], cols), _dot(p.astype(do.dtype), do, trans_a=True))
-        relaxed_addupdate(dk_ref, (ids[:, None], cols), scale * _dot(ds.astype(q.dtype), q, trans_a=True))
+        if lean:  # dV^T = dO^T P, dK^T = Q^T dS: the same products, added transposed
+            relaxed_addupdate(dv_ref, (ids[None, :], cols.T), _dot(do, p.astype(do.dtype), trans_a=True))
+            relaxed_addupdate(dk_ref, (ids[None, :], cols.T), scale * _dot(q, ds.astype(q.dtype), trans_a=True))
+        else:
+            relaxed_addupdate(dv_ref, (ids[:, None], cols), _dot(p.astype(do.dtype), do, trans_a=True))
+            relaxed_addupdate(dk_ref, (ids[:, None], cols), scale * _dot(ds.astype(q.dtype), q, trans_a=True))
         return dq
 
     dq = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((m_rows, geo.head_dim_pad), jnp.float32))
@@ -392,7 +401,7 @@ def _backward_call(q, k, v, do, lse, delta, union, bits, count, geo: _Geometry, 
     zeros = jnp.zeros(acc_shape, jnp.float32)
     q_spec, row_spec, kv_spec, union_spec, count_spec = _specs(geo, kv_length, union.shape[2])
     return pl.pallas_call(
-        functools.partial(_backward_kernel, scale=scale, geo=geo),
+        functools.partial(_backward_kernel, scale=scale, geo=geo, lean=bs.lean_backward),
         grid=(n_tiles, bsz, hkv),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, union_spec, union_spec,
                   count_spec, kv_spec, kv_spec],

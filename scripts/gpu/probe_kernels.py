@@ -260,6 +260,7 @@ def jax_part(routes_np, s, n_routes):
         return dict(ms=ms, useful_tflops=2.5 * flops / ms / 1e9, T=geo.rows)
 
     for name, kw in (("default", {}), ("default_no_atomics", dict(no_atomics=True)),
+                     ("lean", dict(lean_backward=True)),
                      ("m64", dict(block_m_bwd=64)), ("padded", dict(flatten_heads=False, block_m_bwd=64))):
         record("jax_bwd_kernel", name, lambda kw=kw: bwd(**kw))
 
@@ -269,7 +270,7 @@ def jax_part(routes_np, s, n_routes):
         g = jax.jit(lambda a, b, c, o: jax.vjp(f, a, b, c)[1](o))
         return dict(fwd_ms=timed(jax.jit(f), q, k, v), fwdbwd_ms=timed(g, q, k, v, do))
 
-    for name, kw in (("default", {}), ("m64", dict(block_m_bwd=64))):
+    for name, kw in (("default", {}), ("lean", dict(lean_backward=True)), ("m64", dict(block_m_bwd=64))):
         record("jax_end_to_end", name, lambda kw=kw: end_to_end(**kw))
 
 

@@ -11,6 +11,7 @@ the sanitizer. Prints PROBE_OK when every case agrees.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import os
 import sys
@@ -42,6 +43,8 @@ def main() -> int:
          padded_split, 1e-2),
         (make_problem("cp", "random", seed=3, seq_len=96, width=16), (12, 1), "float32", None, 1e-4),
         (make_problem("packed", "adversarial", seed=4, seq_len=100, width=12), (24, 2), "bfloat16", None, 1e-2),
+        (make_problem("packed", "adversarial", seed=5, seq_len=100, width=12), (12, 1), "bfloat16",
+         dataclasses.replace(BlockSizes.default(256, False), lean_backward=True), 1e-2),
     ]
     worst = 0.0
     for problem, heads, dtype, blocks, tol in cases:
@@ -58,7 +61,8 @@ def main() -> int:
         got = [np.asarray(x, np.float64) for x in (out, *grads)]
         want = oracle_forward_backward(q, k, v, problem.routes, 1 / 16, do)
         errs = [relative_error(g, w) for g, w in zip(got, want)]
-        print("probe", problem.layout, heads, dtype, "default" if blocks is None else "padded/split",
+        label = "default" if blocks is None else "lean" if blocks.lean_backward else "padded/split"
+        print("probe", problem.layout, heads, dtype, label,
               ["%.2e" % e for e in errs], flush=True)
         worst = max(worst, max(e / tol for e in errs))
     print("PROBE_OK" if worst < 1 else "PROBE_NUMERICS_FAIL", flush=True)
