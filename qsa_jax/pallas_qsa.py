@@ -420,8 +420,8 @@ def _backward_call(q, k, v, do, lse, delta, union, bits, count, geo: _Geometry, 
 
 def _backward(q, k, v, routes, o_arr_fwd, lse_fwd, geo_fwd, do, scale, bs: BlockSizes, interpret,
               unions_fwd=None):
-    """``unions_fwd``: the forward's unions when its geometry is the backward's (saved
-    by the forward then, instead of sorting the same routes again)."""
+    """``unions_fwd``: the forward's unions, which :func:`_qsa_fwd` keeps only when its
+    geometry is the backward's; else None and the routes are sorted again here."""
     s_q, hq, d = q.shape[1:]
     hkv = k.shape[2]
     geo = _backward_geometry(hq // hkv, d, bs)
@@ -431,7 +431,7 @@ def _backward(q, k, v, routes, o_arr_fwd, lse_fwd, geo_fwd, do, scale, bs: Block
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
     as_rows = lambda x: _arrange_queries(x, dataclasses.replace(geo, head_dim_pad=1), hkv)[..., 0]  # noqa: E731
     lse, delta = as_rows(lse_rows), as_rows(delta)
-    union, bits, count = unions_fwd if geo == geo_fwd and unions_fwd is not None else _route_union(routes, geo)
+    union, bits, count = _route_union(routes, geo) if unions_fwd is None else unions_fwd
     dq_arr, dk, dv = _backward_call(q, k, v, do, lse, delta, union, bits, count, geo, scale, bs,
                                     interpret)
     dq = _restore_queries(dq_arr, geo, s_q, d)

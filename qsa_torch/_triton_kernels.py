@@ -355,6 +355,13 @@ def qsa_backward_kernel(
 # and each key ORs its row's bit into its slot (OR is idempotent, so repeated (ID, row)
 # keys need no care).
 @triton.jit
+def _program_rows(first_pair, PAIRS: tl.constexpr, group):
+    """First and last query row (inclusive) that the flat program of (row, head) pairs
+    ``[first_pair, first_pair + PAIRS)`` over ``group`` heads touches."""
+    return first_pair // group, (first_pair + PAIRS - 1) // group
+
+
+@triton.jit
 def union_keys_kernel(ROUTES, KEYS, s_q, k, kv_length, n_tiles, sr_b, sr_s, sr_k, per_sort, sentinel, group_size,
                       T: tl.constexpr, SHIFT: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr,
                       PAIRS: tl.constexpr = 0):
@@ -374,9 +381,9 @@ def union_keys_kernel(ROUTES, KEYS, s_q, k, kv_length, n_tiles, sr_b, sr_s, sr_k
         row = tile * T + t
         row_ok = in_range & (row < s_q)
     else:
-        first_row = tile * PAIRS // group_size
+        first_row, last_row = _program_rows(tile * PAIRS, PAIRS, group_size)
         row = first_row + t
-        row_ok = in_range & (row < s_q) & (row <= (tile * PAIRS + PAIRS - 1) // group_size)
+        row_ok = in_range & (row < s_q) & (row <= last_row)
     ptr = ROUTES + (group // n_tiles) * sr_b + row.to(tl.int64) * sr_s + (i % k).to(tl.int64) * sr_k
     ids = tl.load(ptr, mask=row_ok, other=-1)
     # compared in the routes' dtype: huge int64 IDs must not wrap into range
@@ -446,9 +453,8 @@ def split_unions_kernel(UNION, ROWBITS, COUNT, SUB_UNION, SUB_ROWBITS, SUB_COUNT
         shift = (sub % PARTS) * SUB_T
         mask = (1 << SUB_T) - 1
     else:
-        first_pair = (sub % PARTS) * PAIRS
-        shift = first_pair // group
-        mask = (1 << ((first_pair + PAIRS - 1) // group - shift + 1)) - 1
+        shift, last_row = _program_rows((sub % PARTS) * PAIRS, PAIRS, group)
+        mask = (1 << (last_row - shift + 1)) - 1
     count = _load_count(COUNT, parent)
     out = (b * n_sub + sub) * sub_width
     carry = tl.reduce(tl.full([1], 0, tl.int32), 0, _SUM)

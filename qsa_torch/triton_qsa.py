@@ -9,10 +9,10 @@ walks that union in chunks of ``block_k`` IDs, gathers each K/V row once for all
 T * heads matrix rows, and runs an fp32 online softmax (forward, saving the
 log-sum-exp) or the fused backward (dQ kept in registers, dK/dV added to fp32
 accumulators with one atomic add per union chunk). With ``flatten_heads`` (the
-default for 16-bit inputs at D > 128 on SM90+ GPUs with the shared memory for it) a program takes consecutive (row, head) pairs
-instead of T rows x padded heads, forward and backward alike; otherwise the
-backward's tiles may be shorter than the forward's, their unions cut out of the
-forward's, not sorted again.
+default for 16-bit inputs at D > 128 on SM90+ GPUs with the shared memory for it) a
+program takes consecutive (row, head) pairs instead of T rows x padded heads, forward
+and backward alike; otherwise the backward's tiles may be shorter than the forward's,
+their unions cut out of the forward's, not sorted again.
 
 Triton is imported on the first call only. CUDA tensors are required, except that
 CPU tensors are accepted when Triton's interpreter is on (``TRITON_INTERPRET=1``
