@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(CPU_TORCH)"
-	$(PY) -m pip install -q -e ".[torch,jax,test]" "$(CPU_TORCH)"
+	$(PY) -m pip install -q -e ".[torch,jax,test,upstream]" "$(CPU_TORCH)"
 	touch $@
 
 venv: $(VENV)/.installed
