@@ -5,28 +5,33 @@ The function is registered as the ``torch.library`` custom op
 runs under ``torch.compile(fullgraph=True)`` as one opaque node and never
 breaks the graph, whatever the backend does inside.
 
-Backend choice (``backend="auto"``): :data:`PREFERENCE` lists, per device
-class, the backends in the order to try them (fastest first, as measured);
-the first whose :func:`unsupported_reason` is ``None`` for the inputs runs,
-and a backend that raises ``ImportError`` or ``NotImplementedError`` when
-called is skipped for the next one. Every skipped backend is logged with its
-reason on the ``"qsa_torch"`` logger (INFO the first time a reason is seen,
-DEBUG afterwards). The torch reference ends every list, so ``"auto"`` always
-produces an answer. A backend named explicitly runs without fallback; its own
-errors propagate.
+Backend choice (``backend="auto"``) happens in Python before any op runs:
+:func:`candidate_backends` lists, per device class, the backends to try. Their
+order is :data:`PREFERENCE` (fastest first, as measured), except that backends
+whose numerics a recorded GPU run verified on this device class (:data:`VERIFIED`)
+come first, then those verified on another GPU class, then those never verified
+on a GPU; the torch reference ends every list. Backends whose
+:func:`unsupported_reason` is not ``None`` for the inputs are skipped, each with
+its reason logged on the ``"qsa_torch"`` logger (INFO the first time a reason is
+seen, DEBUG afterwards). In eager mode, a backend whose forward raises
+ImportError, NotImplementedError or ``torch.OutOfMemoryError`` is logged and the
+next one runs (the reference always answers); under ``torch.compile`` the first
+supported backend is traced and its errors propagate. A backend named explicitly
+runs without fallback. Either way the op records the concrete backend, and the
+backward uses that one: it never resolves ``"auto"`` a second time.
 
-Backward cost: when the backend is Triton (named, or the first backend ``"auto"``
-finds statically supported, as on Hopper), the call goes through a second op pair,
+A backend running on a device class where it is not verified warns once per
+process (:class:`qsa_torch.routes.UnverifiedBackendWarning`); on Blackwell (SM100)
+that is every backend but the reference, and cuDNN has no verified class at all.
+
+Backward cost: the Triton backend goes through a second op pair,
 ``qsa::triton_sparse_gqa_attention`` and its backward, whose forward returns the
 output with the kernel's residuals (LSE and tile unions); the backward uses them,
 so forward+backward costs what the backend's own autograd costs. Every other
 backend goes through ``qsa::sparse_gqa_attention``, which saves only its inputs:
-its backward op runs the chosen backend's forward again under autograd and asks
+its backward op runs the same backend's forward again under autograd and asks
 torch for the gradients (two forwards plus one backward; memory between the passes
-is only the inputs). In eager mode a Triton forward under ``"auto"`` that raises
-ImportError or NotImplementedError or runs out of memory falls back to the other op
-and the next backend (forward and backward both skip Triton then); under
-``torch.compile``, and in the Triton pair's backward, such errors propagate.
+is only the inputs).
 """
 
 from __future__ import annotations
@@ -41,11 +46,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .routes import ProblemDims, refuse_nondeterministic_backward, validate_inputs
+from .routes import ProblemDims, refuse_nondeterministic_backward, validate_inputs, warn_unverified
 
 __all__ = [
     "BACKENDS",
     "PREFERENCE",
+    "VERIFIED",
     "candidate_backends",
     "device_class",
     "sparse_gqa_attention",
@@ -57,7 +63,9 @@ logger = logging.getLogger("qsa_torch")
 # Preference per device class, fastest first. Update from measurements
 # (docs/benchmarks.md); "reference" is appended to every list.
 PREFERENCE: dict[str, tuple[str, ...]] = {
-    "sm100": ("cudnn", "triton", "fa4", "flex"),  # SM100 / SM103 (Blackwell)
+    # SM100 / SM103 (Blackwell): nothing is verified there yet; cuDNN, whose numerics were
+    # never checked on any GPU, goes behind the portable kernels (see VERIFIED).
+    "sm100": ("triton", "flex", "cudnn"),
     # Hopper: measured 2026-11-30, fourth session (docs/benchmarks.md), fwd+bwd at
     # S=8192 / 32768: triton 8.34 / 38.8 ms, fa4 23.8 / 334 ms, flex 40.3 / 552 ms.
     "sm90": ("triton", "fa4", "flex"),
@@ -65,10 +73,18 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "cpu": ("reference",),  # CPU and any other device
 }
 
+# Device classes on which a recorded run compared each backend's outputs and gradients
+# with the float64 oracle (docs/benchmarks.md for the GPUs; CPU CI for "cpu"). None: any
+# device (plain torch ops). Add a class only with the run that verified it.
+VERIFIED: dict[str, frozenset[str] | None] = {
+    "reference": None,
+    "triton": frozenset({"cpu", "sm90"}),
+    "flex": frozenset({"cpu", "sm90"}),
+    "fa4": frozenset({"sm90"}),
+    "cudnn": frozenset(),
+}
+
 ROUTE_FORMATS = ("any", "qsa")
-# internal backend value of the generic op: "auto" without the listed backends (the
-# Triton pair failed in eager mode; forward and backward then both skip it)
-_AUTO_EXCLUDING = "auto-excluding:"
 
 
 @dataclass(frozen=True)
@@ -122,6 +138,20 @@ def device_class(device: torch.device) -> str:
     if major == 9:
         return "sm90"
     return "cuda"
+
+
+def _verified_on(name: str, cls: str) -> bool:
+    """Whether a recorded run verified backend ``name`` on device class ``cls``."""
+    classes = VERIFIED.get(name, frozenset())
+    return classes is None or cls in classes
+
+
+def _verified_tier(name: str, cls: str) -> int:
+    """0: verified on ``cls``; 1: verified on another GPU class; 2: on no GPU class."""
+    if _verified_on(name, cls):
+        return 0
+    classes = VERIFIED.get(name, frozenset())
+    return 1 if any(c != "cpu" for c in classes) else 2
 
 
 def _find_module(name: str) -> bool:
@@ -195,9 +225,15 @@ def unsupported_reason(
 
 
 def candidate_backends(device: torch.device) -> tuple[str, ...]:
-    """The backends ``"auto"`` tries on ``device``, in order (reference last)."""
-    names = PREFERENCE[device_class(device)]
-    return tuple(dict.fromkeys(names + ("reference",)))
+    """The backends ``"auto"`` tries on ``device``, in order (reference last).
+
+    :data:`PREFERENCE`'s row, reordered by verification (:data:`VERIFIED`): verified on
+    this device class, then verified on another GPU class, then never verified on a GPU.
+    """
+    cls = device_class(device)
+    names = [name for name in PREFERENCE[cls] if name != "reference"]
+    ordered = [name for tier in (0, 1, 2) for name in names if _verified_tier(name, cls) == tier]
+    return tuple(dict.fromkeys(ordered + ["reference"]))
 
 
 def _load(name: str) -> Callable[..., torch.Tensor]:
@@ -210,6 +246,14 @@ def _load(name: str) -> Callable[..., torch.Tensor]:
         raise
 
 
+def _prepare(name: str, device: torch.device) -> Callable[..., torch.Tensor]:
+    """Backend ``name``'s function; warns once if it is unverified on ``device``'s class."""
+    cls = device_class(device)
+    if not _verified_on(name, cls):
+        warn_unverified(name, cls)
+    return _load(name)
+
+
 # what "auto" falls back on when a backend raises it
 _FALLBACK_ERRORS = (ImportError, NotImplementedError, torch.OutOfMemoryError)
 
@@ -220,46 +264,6 @@ def _note_failure(name: str, err: Exception) -> None:
         _BROKEN[name] = f"its runtime failed to import: {err}"
     _log(f"sparse_gqa_attention: backend {name!r} failed ({type(err).__name__}: {err}); "
          "falling back", logging.WARNING)
-
-
-def _run(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    routes: torch.Tensor,
-    scale: float,
-    backend: str,
-    needs_grad: bool,
-    route_format: str,
-    body: Callable[[Callable[..., torch.Tensor]], object],
-):
-    """Call ``body(fn)`` with the backend function ``backend`` resolves to.
-
-    An explicit backend runs as is. ``"auto"`` walks :func:`candidate_backends`:
-    statically unsupported backends are skipped, and a backend raising
-    ImportError / NotImplementedError / torch.OutOfMemoryError is logged and skipped.
-    """
-    if backend != "auto" and not backend.startswith(_AUTO_EXCLUDING):
-        return body(_load(backend))
-    excluded = set(backend[len(_AUTO_EXCLUDING):].split(",")) if backend != "auto" else set()
-    dims = ProblemDims(query.shape[0], query.shape[1], key.shape[1], query.shape[2],
-                       key.shape[2], query.shape[3], routes.shape[2])
-    for name in candidate_backends(query.device):
-        if name in excluded:
-            continue
-        reason = unsupported_reason(name, dims, query.device, query.dtype,
-                                    needs_grad=needs_grad, route_format=route_format)
-        if reason is not None:
-            _log(f"sparse_gqa_attention: skipping backend {name!r}: {reason}")
-            continue
-        try:
-            result = body(_load(name))
-        except _FALLBACK_ERRORS as err:
-            _note_failure(name, err)
-            continue
-        logger.debug("sparse_gqa_attention: ran backend %r", name)
-        return result
-    raise RuntimeError("sparse_gqa_attention: no backend accepted the inputs")  # reference accepts all
 
 
 @contextlib.contextmanager
@@ -287,19 +291,16 @@ def _forward_op(
     selected_token_ids: torch.Tensor,
     softmax_scale: float,
     backend: str,
-    needs_grad: bool,
-    route_format: str,
 ) -> torch.Tensor:
-    def body(fn):
-        return fn(query, key, value, selected_token_ids, softmax_scale).contiguous()
-
-    return _run(query, key, value, selected_token_ids, softmax_scale, backend, needs_grad,
-                route_format, body)
+    """Backend ``backend`` (a name of :data:`BACKENDS`, never "auto") on the inputs."""
+    fn = _prepare(backend, query.device)
+    out = fn(query, key, value, selected_token_ids, softmax_scale).contiguous()
+    logger.debug("sparse_gqa_attention: ran backend %r", backend)
+    return out
 
 
 @_forward_op.register_fake
-def _forward_fake(query, key, value, selected_token_ids, softmax_scale, backend, needs_grad,
-                  route_format):
+def _forward_fake(query, key, value, selected_token_ids, softmax_scale, backend):
     return query.new_empty(query.shape)
 
 
@@ -312,39 +313,35 @@ def _backward_op(
     selected_token_ids: torch.Tensor,
     softmax_scale: float,
     backend: str,
-    route_format: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    def body(fn):
-        with _autograd_enabled():
-            leaves = [t.detach().requires_grad_() for t in (query, key, value)]
-            out = fn(*leaves, selected_token_ids, softmax_scale)
-            grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
-        return tuple(
-            torch.zeros_like(t) if g is None else g.detach().contiguous()
-            for g, t in zip(grads, (query, key, value))
-        )
-
-    return _run(query, key, value, selected_token_ids, softmax_scale, backend, True,
-                route_format, body)
+    """dq, dk, dv of backend ``backend`` (the forward's): its forward again under autograd."""
+    fn = _prepare(backend, query.device)
+    with _autograd_enabled():
+        leaves = [t.detach().requires_grad_() for t in (query, key, value)]
+        out = fn(*leaves, selected_token_ids, softmax_scale)
+        grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
+    logger.debug("sparse_gqa_attention: ran backend %r (backward)", backend)
+    return tuple(
+        torch.zeros_like(t) if g is None else g.detach().contiguous()
+        for g, t in zip(grads, (query, key, value))
+    )
 
 
 @_backward_op.register_fake
-def _backward_fake(grad_out, query, key, value, selected_token_ids, softmax_scale, backend,
-                   route_format):
+def _backward_fake(grad_out, query, key, value, selected_token_ids, softmax_scale, backend):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, routes, scale, backend, _needs_grad, route_format = inputs
+    query, key, value, routes, scale, backend = inputs
     ctx.save_for_backward(query, key, value, routes)
-    ctx.scale, ctx.backend, ctx.route_format = scale, backend, route_format
+    ctx.scale, ctx.backend = scale, backend
 
 
 def _backward(ctx, grad_out):
     query, key, value, routes = ctx.saved_tensors
-    dq, dk, dv = _backward_op(grad_out, query, key, value, routes, ctx.scale, ctx.backend,
-                              ctx.route_format)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = _backward_op(grad_out, query, key, value, routes, ctx.scale, ctx.backend)
+    return dq, dk, dv, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -358,11 +355,12 @@ def _triton_forward_op(
     selected_token_ids: torch.Tensor,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _prepare("triton", query.device)
     from . import triton_qsa
 
-    return triton_qsa.forward_with_residuals(query, key, value, selected_token_ids, softmax_scale)
-
-
+    result = triton_qsa.forward_with_residuals(query, key, value, selected_token_ids, softmax_scale)
+    logger.debug("sparse_gqa_attention: ran backend %r", "triton")
+    return result
 @_triton_forward_op.register_fake
 def _triton_forward_fake(query, key, value, selected_token_ids, softmax_scale):
     from . import triton_qsa
@@ -424,12 +422,28 @@ def _first_supported(device: torch.device, dtype: torch.dtype, sizes: tuple, nee
     """The backend ``"auto"`` would try first (static checks only). ``sizes`` =
     (B, S_q, S_kv, Hq, Hkv, D, K). Under torch.compile dynamo evaluates it while
     tracing (no graph break: tests/test_torch_api.py checks it)."""
+    return _supported(device, dtype, sizes, needs_grad, route_format, log=False)[0]
+
+
+def _supported(device: torch.device, dtype: torch.dtype, sizes: tuple, needs_grad: bool,
+               route_format: str, *, log: bool) -> list[str]:
+    """The backends ``"auto"`` may run, in order (static checks; the reference ends it)."""
     dims = ProblemDims(*sizes)
+    names = []
     for name in candidate_backends(device):
-        if unsupported_reason(name, dims, device, dtype, needs_grad=needs_grad,
-                              route_format=route_format) is None:
-            return name
-    return "reference"
+        reason = unsupported_reason(name, dims, device, dtype, needs_grad=needs_grad,
+                                    route_format=route_format)
+        if reason is None:
+            names.append(name)
+        elif log:
+            _log(f"sparse_gqa_attention: skipping backend {name!r}: {reason}")
+    return names or ["reference"]
+
+
+def _call(name: str, query, key, value, routes, scale: float) -> torch.Tensor:
+    if name == "triton":
+        return _triton_forward_op(query, key, value, routes, scale)[0]
+    return _forward_op(query, key, value, routes, scale, name)
 
 
 def sparse_gqa_attention(
@@ -451,8 +465,9 @@ def sparse_gqa_attention(
             (global K/V coordinates); anything else is padding, duplicates count once.
         softmax_scale: finite positive scale, default ``1/sqrt(D)``; passed to the op
             as a float.
-        backend: ``"auto"`` (see the module docstring and :data:`PREFERENCE`) or one of
-            ``"reference"``, ``"flex"``, ``"fa4"``, ``"cudnn"``, ``"triton"``.
+        backend: ``"auto"`` (see the module docstring, :data:`PREFERENCE` and
+            :data:`VERIFIED`) or one of ``"reference"``, ``"flex"``, ``"fa4"``,
+            ``"cudnn"``, ``"triton"``.
         route_format: ``"qsa"`` promises that the routes follow the QSA route format
             (four-token blocks plus the causal tail, CONTRACT.md), which lets ``"auto"``
             consider the cuDNN backend (it gives wrong answers for other route sets);
@@ -460,37 +475,38 @@ def sparse_gqa_attention(
 
     Returns:
         ``[B, S_q, Hq, D]`` in query's dtype; rows without routes are exactly zero
-        and add nothing to any gradient. Differentiable in query, key and value.
+        and add nothing to any gradient. Differentiable in query, key and value,
+        through the backend that ran the forward.
 
     Raises:
         ValueError: unknown ``backend`` / ``route_format``, or the contract's shape,
             device and scale checks.
         TypeError: the contract's dtype checks.
         Anything the explicitly named backend raises (RuntimeError for an
-        unsupported GPU, ImportError for a missing runtime, ...).
+        unsupported GPU, ImportError for a missing runtime, ...); under
+        ``torch.compile``, also what the backend ``"auto"`` chose raises.
     """
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     if route_format not in ROUTE_FORMATS:
         raise ValueError(f"route_format must be one of {ROUTE_FORMATS}, got {route_format!r}")
     checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
+    args = (query, key, value, selected_token_ids, checked.scale)
+    if backend != "auto":
+        return _call(backend, *args)
     needs_grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
     )
     d = checked.dims
     sizes = (d.batch, d.query_length, d.kv_length, d.query_heads, d.kv_heads, d.head_dim,
              d.routes_per_query)
-    if backend == "triton" or (backend == "auto" and _first_supported(
-            query.device, query.dtype, sizes, needs_grad, route_format) == "triton"):
-        if backend != "auto" or torch.compiler.is_compiling():
-            return _triton_forward_op(query, key, value, selected_token_ids, checked.scale)[0]
+    if torch.compiler.is_compiling():  # one traced choice; its errors propagate
+        return _call(_first_supported(query.device, query.dtype, sizes, needs_grad, route_format),
+                     *args)
+    names = _supported(query.device, query.dtype, sizes, needs_grad, route_format, log=True)
+    for name in names[:-1]:
         try:
-            out = _triton_forward_op(query, key, value, selected_token_ids, checked.scale)[0]
+            return _call(name, *args)
         except _FALLBACK_ERRORS as err:
-            _note_failure("triton", err)
-            backend = _AUTO_EXCLUDING + "triton"
-        else:
-            logger.debug("sparse_gqa_attention: ran backend %r", "triton")
-            return out
-    return _forward_op(query, key, value, selected_token_ids, checked.scale, backend, needs_grad,
-                       route_format)
+            _note_failure(name, err)
+    return _call(names[-1], *args)

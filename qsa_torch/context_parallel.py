@@ -7,8 +7,11 @@ routes in global coordinates (CONTRACT.md layout 3). The gather is an autograd
 function whose backward reduce-scatters dK/dV, so every rank receives the
 gradient of exactly its own K/V slice, summed over all ranks' queries.
 
-Any attention function with the contract's signature works as the backend
-(``attention_fn``): it sees ``S_q`` local rows and ``S_kv`` global rows.
+The attention itself is :func:`qsa_torch.sparse_gqa_attention` with ``backend``
+(``"auto"`` by default: the fastest verified backend that takes ``S_q != S_kv``;
+its backward runs the backend its forward ran), or any function with the
+contract's signature (``attention_fn``): it sees ``S_q`` local rows and ``S_kv``
+global rows.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .reference import reference_sparse_gqa_attention
+from .api import sparse_gqa_attention
 from .routes import validate_inputs
 
 __all__ = ["context_parallel_sparse_gqa_attention", "gather_sequence"]
@@ -75,6 +78,7 @@ def context_parallel_sparse_gqa_attention(
     softmax_scale: float | None = None,
     *,
     group=None,
+    backend: str = "auto",
     attention_fn: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Route-sparse GQA with the sequence split over the ranks of ``group``.
@@ -88,8 +92,11 @@ def context_parallel_sparse_gqa_attention(
             in global K/V coordinates ``[0, world * S_kv_local)``.
         softmax_scale: finite positive scale, default ``1/sqrt(D)``.
         group: process group (default: the world).
+        backend: the :func:`qsa_torch.sparse_gqa_attention` backend, ``"auto"`` by
+            default (resolved once, in the forward; the backward uses the same one).
         attention_fn: ``fn(query, key, value, routes, scale)`` accepting
-            ``S_q != S_kv``; default ``qsa_torch.reference_sparse_gqa_attention``.
+            ``S_q != S_kv``, used instead of ``sparse_gqa_attention``; then
+            ``backend`` must stay ``"auto"``.
 
     Returns:
         ``[B, S_q_local, Hq, D]`` local output. Gradients reach ``query_local``,
@@ -97,11 +104,17 @@ def context_parallel_sparse_gqa_attention(
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
-        ValueError / TypeError: local inputs that break the contract.
+        ValueError: local inputs that break the contract, or both ``backend`` and
+            ``attention_fn`` given.
+        TypeError: local inputs that break the contract.
     """
+    if attention_fn is not None and backend != "auto":
+        raise ValueError(f"pass backend ({backend!r}) or attention_fn, not both")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("context_parallel_sparse_gqa_attention needs an initialised torch.distributed")
     validate_inputs(query_local, key_local, value_local, selected_token_ids_local, softmax_scale)
     kv = gather_sequence(torch.stack([key_local, value_local]), dim=2, group=group)
-    fn = reference_sparse_gqa_attention if attention_fn is None else attention_fn
-    return fn(query_local, kv[0], kv[1], selected_token_ids_local, softmax_scale)
+    if attention_fn is not None:
+        return attention_fn(query_local, kv[0], kv[1], selected_token_ids_local, softmax_scale)
+    return sparse_gqa_attention(query_local, kv[0], kv[1], selected_token_ids_local, softmax_scale,
+                                backend=backend)

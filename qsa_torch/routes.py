@@ -21,6 +21,7 @@ from qsa_common.contract import ProblemDims, check_shapes, resolve_scale
 
 __all__ = [
     "ProblemDims",
+    "UnverifiedBackendWarning",
     "Validated",
     "check_deterministic_backward",
     "validate_inputs",
@@ -29,6 +30,7 @@ __all__ = [
     "membership_table",
     "generate_problem",
     "to_torch_routes",
+    "warn_unverified",
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -116,6 +118,31 @@ def refuse_nondeterministic_backward(backend: str) -> None:
     if not torch.is_deterministic_algorithms_warn_only_enabled():
         raise RuntimeError(message)
     warnings.warn(message, stacklevel=3)
+
+
+class UnverifiedBackendWarning(UserWarning):
+    """A backend ran on a GPU class where no recorded run has checked its numerics."""
+
+
+# (backend, device class) pairs already warned about: one warning per process each
+_UNVERIFIED_WARNED: set[tuple[str, str]] = set()
+
+
+def warn_unverified(backend: str, device_class: str) -> None:
+    """Warn, once per process for each ``(backend, device_class)``, that ``backend`` runs
+    on a GPU class where no recorded run (docs/benchmarks.md) has compared its results
+    with the float64 oracle (:class:`UnverifiedBackendWarning`)."""
+    key = (backend, device_class)
+    if key in _UNVERIFIED_WARNED:
+        return
+    _UNVERIFIED_WARNED.add(key)
+    warnings.warn(
+        f"qsa_torch: the {backend} backend's numerics are unverified on {device_class} devices: "
+        "no recorded run has compared its outputs and gradients with the float64 oracle "
+        "there (docs/benchmarks.md). backend='auto' prefers verified backends.",
+        UnverifiedBackendWarning,
+        stacklevel=3,
+    )
 
 
 def normalize_routes(

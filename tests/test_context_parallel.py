@@ -103,13 +103,44 @@ def test_jax_cp_rejects_bad_layouts():
 
 
 # ----------------------------------------------------------------------- torch
+_CALLS: list[str] = []
+
+
+def _flaky_backend(*args, **kwargs):
+    """Declines its first call (as a backend out of memory once would), then works."""
+    _CALLS.append("flaky")
+    if _CALLS.count("flaky") == 1:
+        raise NotImplementedError("flaky declines its first call")
+    from qsa_torch import reference_sparse_gqa_attention
+
+    return reference_sparse_gqa_attention(*args, **kwargs)
+
+
+def _steady_backend(*args, **kwargs):
+    _CALLS.append("steady")
+    from qsa_torch import reference_sparse_gqa_attention
+
+    return reference_sparse_gqa_attention(*args, **kwargs)
+
+
+def _install_spies(api, dtype):
+    """"auto" on CPU over the two spies: "flaky" fails its first forward, so "auto"
+    falls back to "steady"; a backward that resolved "auto" again would take "flaky"."""
+    for name in ("flaky", "steady"):
+        api.BACKENDS[name] = api._Backend("test_context_parallel", f"_{name}_backend", (dtype,), True)
+        api.VERIFIED[name] = frozenset({"cpu"})
+    api.PREFERENCE["cpu"] = ("flaky", "steady")
+
+
 def _torch_worker(rank, world, init_file, case_file, out_dir):
-    """One gloo rank: its slice of queries and K/V through the CP wrapper."""
+    """One gloo rank: its slice of queries and K/V through the CP wrapper: with its
+    defaults ("auto": the reference on CPU), a group and a function, and "auto" over
+    spy backends (the backends that ran are saved)."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch
     import torch.distributed as dist
 
-    from qsa_torch import reference_sparse_gqa_attention
+    from qsa_torch import api, reference_sparse_gqa_attention
     from qsa_torch.context_parallel import context_parallel_sparse_gqa_attention as cp
 
     torch.set_num_threads(1)
@@ -127,9 +158,15 @@ def _torch_worker(rank, world, init_file, case_file, out_dir):
             ("default", {}),
             ("group+fn", dict(group=dist.new_group([0, 1]),
                               attention_fn=functools.partial(reference_sparse_gqa_attention, chunk_rows=3))),
+            ("spies", {}),
         ):
+            if label == "spies":
+                _install_spies(api, dtype)
             out = cp(q, k, v, routes, float(case["scale"]), **kwargs)
+            forward_calls = list(_CALLS)
             out.backward(torch.tensor(case["do"][:, rows], dtype=dtype))
+            results[f"{label}/forward"] = np.array(forward_calls)
+            results[f"{label}/backward"] = np.array(_CALLS[len(forward_calls):])
             for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
                 results[f"{label}/{name}"] = t.detach().double().numpy()
             for t in (q, k, v):
@@ -172,9 +209,25 @@ def test_torch_cp_gloo_two_processes(tmp_path, dtype):
     out.backward(torch.tensor(do, dtype=tdtype))
     single = [t.detach().double().numpy() for t in (out, *(x.grad for x in leaves))]
     want = oracle_forward_backward(q, k, v, routes, scale, do)
-    for label in ("default", "group+fn"):
+    for r in ranks:  # CP runs "auto" by default; its backward keeps the forward's backend
+        assert r["default/forward"].size == 0 and r["default/backward"].size == 0
+        assert r["spies/forward"].tolist() == ["flaky", "steady"]
+        assert r["spies/backward"].tolist() == ["steady"]
+    for label in ("default", "group+fn", "spies"):
         got = [np.concatenate([r[f"{label}/{n}"] for r in ranks], axis=1) for n in ("out", "dq", "dk", "dv")]
         assert_close(got, single, want, dtype, f"torch cp gloo {label} {dtype}")
+
+
+def test_torch_cp_backend_and_attention_fn_are_exclusive():
+    import torch
+
+    from qsa_torch import reference_sparse_gqa_attention
+    from qsa_torch.context_parallel import context_parallel_sparse_gqa_attention as cp
+
+    t = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="not both"):
+        cp(t, t[:, :, :1], t[:, :, :1], torch.zeros(1, 4, 3, dtype=torch.int64), backend="reference",
+           attention_fn=reference_sparse_gqa_attention)
 
 
 def test_torch_cp_needs_an_initialised_process_group():

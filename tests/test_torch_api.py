@@ -71,10 +71,10 @@ def test_opcheck_forward_and_backward_ops(rng):
     routes = torch.from_numpy(problem.routes)
     leaves = _leaves(q, k, v)
     torch.library.opcheck(torch.ops.qsa.sparse_gqa_attention.default,
-                          (*leaves, routes, 0.25, "auto", True, "any"))
+                          (*leaves, routes, 0.25, "reference"))
     torch.library.opcheck(torch.ops.qsa.sparse_gqa_attention_backward.default,
                           (torch.from_numpy(do).float(), *(x.detach() for x in leaves), routes,
-                           0.25, "auto", "any"))
+                           0.25, "reference"))
 
 
 def test_meta_tensors_give_shapes_only(rng):
@@ -136,6 +136,7 @@ def test_auto_falls_back_when_a_backend_raises(rng, monkeypatch, caplog):
     monkeypatch.setitem(api.BACKENDS, "declines",
                         api._Backend("test_torch_api", "_raising_backend", (torch.float32,), True))
     monkeypatch.setitem(api.PREFERENCE, "cpu", ("declines",))
+    monkeypatch.setitem(api.VERIFIED, "declines", frozenset({"cpu"}))
     monkeypatch.setattr(api, "_LOGGED", set())
     problem, q, k, v, do = _problem(rng)
     leaves = _leaves(q, k, v)
@@ -179,7 +180,8 @@ def test_unsupported_reasons():
 
 @pytest.mark.parametrize("capability,cls,order", [
     ((9, 0), "sm90", ("triton", "fa4", "flex", "reference")),
-    ((10, 3), "sm100", ("cudnn", "triton", "fa4", "flex", "reference")),
+    ((10, 3), "sm100", ("triton", "flex", "cudnn", "reference")),
+    ((10, 0), "sm100", ("triton", "flex", "cudnn", "reference")),
     ((8, 0), "cuda", ("triton", "flex", "reference")),
 ])
 def test_gpu_preference_rows(monkeypatch, capability, cls, order):
@@ -199,6 +201,122 @@ def test_gpu_preference_rows(monkeypatch, capability, cls, order):
         assert "context-parallel" in cudnn or "not installed" in cudnn
         assert "QSA-format" in api.unsupported_reason("cudnn", model, cuda, torch.bfloat16,
                                                       needs_grad=True)
+
+
+def test_auto_puts_unverified_backends_last(monkeypatch):
+    """Whatever PREFERENCE says, a backend verified on the device class comes before one
+    verified only on another GPU class, which comes before one verified on none (cuDNN)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    cuda = torch.device("cuda")
+    monkeypatch.setitem(api.PREFERENCE, "sm100", ("cudnn", "flex", "triton"))
+    assert api.candidate_backends(cuda) == ("flex", "triton", "cudnn", "reference")
+    monkeypatch.setitem(api.VERIFIED, "triton", frozenset({"sm90", "sm100"}))  # a recorded run
+    assert api.candidate_backends(cuda) == ("triton", "flex", "cudnn", "reference")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(api.PREFERENCE, "sm90", ("cudnn", "fa4", "triton"))
+    assert api.candidate_backends(cuda) == ("fa4", "triton", "cudnn", "reference")
+    for name in api.BACKENDS:  # every backend states where it was verified
+        assert name in api.VERIFIED
+    assert api.VERIFIED["cudnn"] == frozenset()
+
+
+def _stand_in_cudnn(monkeypatch):
+    """On CPU tensors: the device class reads as SM100, and "cudnn" is the reference
+    under that name (its runtime marked present)."""
+    from qsa_torch import routes
+
+    monkeypatch.setattr(api, "device_class", lambda device: "sm100")
+    monkeypatch.setitem(api.BACKENDS, "cudnn", api._Backend(
+        "qsa_torch.reference", "reference_sparse_gqa_attention", (torch.bfloat16, torch.float32), True))
+    monkeypatch.setitem(api._RUNTIME_PRESENT, "cudnn", True)
+    monkeypatch.setattr(routes, "_UNVERIFIED_WARNED", set())
+
+
+def test_explicit_unverified_backend_runs_with_one_warning(rng, monkeypatch, recwarn):
+    from qsa_torch.routes import UnverifiedBackendWarning
+
+    _stand_in_cudnn(monkeypatch)
+    problem, q, k, v, do = _problem(rng, "padded", "qsa")
+    routes = torch.from_numpy(problem.routes)
+    for _ in range(3):
+        got = run_torch(lambda *a: api.sparse_gqa_attention(*a, backend="cudnn"), q, k, v,
+                        problem.routes, 0.3, do, "float32")
+        _assert_matches_oracle(got, q, k, v, problem.routes, 0.3, do)
+    unverified = [w for w in recwarn.list if issubclass(w.category, UnverifiedBackendWarning)]
+    assert len(unverified) == 1, [str(w.message) for w in unverified]
+    assert "cudnn" in str(unverified[0].message) and "unverified on sm100" in str(unverified[0].message)
+    # a verified backend (the reference everywhere) never warns
+    recwarn.clear()
+    api.sparse_gqa_attention(*_leaves(q, k, v), routes, backend="reference")
+    assert not [w for w in recwarn.list if issubclass(w.category, UnverifiedBackendWarning)]
+
+
+def test_auto_on_blackwell_reaches_cudnn_only_after_the_verified_backends(rng, monkeypatch):
+    _stand_in_cudnn(monkeypatch)
+    sizes = (1, 32, 32, 24, 2, 256, 2052)
+    cpu = torch.device("cpu")
+    pick = lambda: api._first_supported(cpu, torch.bfloat16, sizes, True, "qsa")  # noqa: E731
+    assert pick() == "triton"
+    monkeypatch.setitem(api._BROKEN, "triton", "broken for the test")
+    assert pick() == "flex"
+    monkeypatch.setitem(api._BROKEN, "flex", "broken for the test")
+    assert pick() == "cudnn"
+    assert api._first_supported(cpu, torch.bfloat16, sizes, True, "any") == "reference"
+
+
+_CALLS: list[tuple[str, bool]] = []
+
+
+def _flaky_backend(*args, **kwargs):
+    """Declines its first call only, as a backend that ran out of memory once would."""
+    _CALLS.append(("flaky", torch.is_grad_enabled()))
+    if sum(name == "flaky" for name, _ in _CALLS) == 1:
+        raise NotImplementedError("flaky declines its first call")
+    from qsa_torch import reference_sparse_gqa_attention
+
+    return reference_sparse_gqa_attention(*args, **kwargs)
+
+
+def _steady_backend(*args, **kwargs):
+    _CALLS.append(("steady", torch.is_grad_enabled()))
+    from qsa_torch import reference_sparse_gqa_attention
+
+    return reference_sparse_gqa_attention(*args, **kwargs)
+
+
+def _register_flaky_and_steady(monkeypatch):
+    for name in ("flaky", "steady"):
+        monkeypatch.setitem(api.BACKENDS, name, api._Backend(
+            "test_torch_api", f"_{name}_backend", (torch.float32,), True))
+        monkeypatch.setitem(api.VERIFIED, name, frozenset({"cpu"}))
+    monkeypatch.setitem(api.PREFERENCE, "cpu", ("flaky", "steady"))
+    monkeypatch.setattr(api, "_LOGGED", set())
+    _CALLS.clear()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_backward_runs_the_backend_the_forward_resolved(rng, monkeypatch, caplog, compiled):
+    """"auto" resolves once: the forward falls back from "flaky" to "steady", and the
+    backward recomputes with "steady" although "flaky" would accept it now. Compiled
+    (aot_eager), "auto" traces its first supported backend and keeps it likewise."""
+    _register_flaky_and_steady(monkeypatch)
+    problem, q, k, v, do = _problem(rng, "cp", "adversarial")
+    fn = api.sparse_gqa_attention
+    if compiled:
+        _CALLS.append(("flaky", False))  # flaky has "failed" already: the compiled call takes it
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    with caplog.at_level(logging.DEBUG, logger="qsa_torch"):
+        got = run_torch(fn, q, k, v, problem.routes, 0.3, do, "float32")
+    _assert_matches_oracle(got, q, k, v, problem.routes, 0.3, do)
+    forward, backward = ("flaky", "flaky") if compiled else ("steady", "steady")
+    ran = [name for name, _ in _CALLS]
+    if compiled:
+        assert ran[1:] == ["flaky", "flaky"], ran
+    else:
+        assert ran == ["flaky", "steady", "steady"], ran
+        assert "flaky declines its first call" in caplog.text
+    assert f"ran backend {forward!r}" in caplog.text
+    assert f"ran backend {backward!r} (backward)" in caplog.text
 
 
 @pytest.mark.parametrize("kwargs,exc,text", [
