@@ -1,0 +1,237 @@
+"""KV-owning dK/dV backward of QSA: bitwise reproducible, no atomics on the gradients.
+
+Framework-neutral Triton kernels (they import triton only); ``qsa_torch._triton_deterministic``
+launches them. The algorithm is the FlashAttention-2 backward split (one program owns a
+K/V block and walks the query rows that attend to it; dQ is a separate pass), applied to
+route sets:
+
+* **Inverse route index.** Keys are cut into blocks of BLOCK_N consecutive keys of one
+  batch row. For block ``j`` of batch row ``b`` (segment ``b * n_blocks + j``) the index
+  holds, from ``start[seg]`` to ``start[seg + 1]``, the ascending distinct query rows that
+  route to any key of the block, and per row a 64-bit mask whose bit ``n`` says that the
+  row routes to key ``j * BLOCK_N + n``. Built from the routes by
+  :func:`inverse_keys_kernel` (one sort key per route entry, naming its batch row, key
+  block and query row), a sort, an inclusive prefix count of the first key of each
+  (segment, row) pair, and :func:`inverse_from_sorted_kernel` (the row of each pair;
+  the key bits ORed in, and OR does not depend on the order of the adds).
+* **dK/dV.** Program (j, b * Hkv + g) loads K/V of its block once and walks its rows'
+  (row, head) pairs ``p`` (row ``p // G``, head ``g * G + p % G``; the G heads of one KV
+  head all feed the same dK/dV) in chunks of BLOCK_M pairs, in index order. Per chunk,
+  with L the forward's natural-log LSE and delta = sum_d dO * O:
+  S = scale * Q K^T (entries outside the row's mask excluded), P = exp(S - L),
+  dV += P^T dO, dP = dO V^T, dS = P * (dP - delta), dK += scale * dS^T Q, in fp32
+  registers; stored once, in the output dtype. Every key of [0, S_kv) belongs to exactly
+  one program per (b, g), so each element is written exactly once (zero where no row
+  routes to it), and each program's sums run in a fixed order: the result is bitwise
+  reproducible run to run.
+
+Expected work relative to the fused atomic backward (``qsa_torch/_triton_kernels.py``,
+docs/design-token-gather.md). The fused pass runs five products per (pair, union ID):
+Q K^T, dO V^T, dS K, P^T dO, dS^T Q, over its query tiles' unions (inflation 1.5-1.6x the
+useful entries at S = 32768 for 10-11-row tiles, QSA routes), and adds each union chunk's
+dK/dV with fp32 atomics. The deterministic backward runs a dQ pass (three products, the
+same unions) plus this kernel (four products: Q K^T and dO V^T a second time, P^T dO,
+dS^T Q) over ``sum_j |rows(j)| * BLOCK_N`` entries per head: its inflation is the union of
+routing rows per key block. QSA routes select scattered four-token blocks, so far from the
+diagonal a row routes to few keys of a 64-key block: measured on the benchmark's routes
+(qsa_common generators, top_k 512), the inflation is 2.3x at S = 8192 and 6.5x at
+S = 32768 for BLOCK_N = 64 (4.7x at 32, 3.0x at 16). So this kernel does about
+4 * 6.5 / (5 * 1.57) = 3.3x the fused backward's flops at S = 32768, BLOCK_N = 64, and
+gathers each routing row's Q and dO once per key block it touches (about 200 blocks
+per row at S = 32768) instead of gathering K/V once per query tile.
+
+Hopper shape: BLOCK_N and BLOCK_M powers of two >= 16 (every dot has M, N, K >= 16); the
+dK/dV accumulators are 2 * BLOCK_N * D_PAD fp32 (64 x 256 each at D = 256: 128 registers
+per thread with 8 warps), K/V of the block stay resident, and only one chunk's Q/dO
+gather is live per step. Long unions (early keys are routed by many rows) make long
+programs; nothing here splits them.
+
+Offsets: per-program base pointers and the gathered rows' offsets are int64. Rows past a
+segment's end are masked (bits 0, Q/dO zero), so they contribute exactly nothing.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # host-side
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+# the standard library's combine function where it exists: the interpreter runs it as a
+# numpy reduction (a combine function of our own would run element by element)
+_SUM = getattr(tl.standard, "_sum_combine", _add)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """fp32-accumulated ``a @ b``. IEEE (fp32 inputs, and the interpreter, whose dot
+    multiplies the raw bits of 16-bit operands): both widened to fp32, no TF32."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _narrow(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``x`` to ``dtype`` rounding to nearest even (the interpreter truncates to
+    bf16, so there the rounding is done on the bits first)."""
+    if INTERPRET and dtype == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        x = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _scalar(ptr):
+    """``*ptr`` as a scalar loop bound (a one-element reduction: the interpreter's
+    scalars are one-element arrays; free on the GPU)."""
+    return tl.reduce(tl.load(ptr + tl.arange(0, 1)), 0, _SUM)
+
+
+# ------------------------------------------------------------------ inverse route index
+# Sort keys: (b * (n_blocks + 1) + j) * S_q + i for a route of query row i (batch row b)
+# to key block j; a padding route takes block n_blocks of its batch row (one past the
+# last), so every batch row's keys sort within their own range.
+@triton.jit
+def inverse_keys_kernel(ROUTES, KEYS, n_entries, s_q, k, kv_length, n_blocks, sr_b, sr_s, sr_k,
+                        LOG2_BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
+    """The sort key of each route entry ``e = (b * S_q + i) * K + slot`` of ``ROUTES
+    [B, S_q, K]`` (int32/int64, any strides) into the flat KEYS (int32 or int64)."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = e < n_entries
+    slot = e % k
+    i = (e // k) % s_q
+    b = e // k // s_q
+    ids = tl.load(ROUTES + b * sr_b + i * sr_s + slot * sr_k, mask=in_range, other=-1)
+    # compared in the routes' dtype: huge int64 IDs must not wrap into range
+    valid = (ids >= 0) & (ids < kv_length)
+    block = tl.where(valid, tl.where(valid, ids, 0).to(tl.int64) >> LOG2_BLOCK_N, n_blocks)
+    key = (b * (n_blocks + 1) + block) * s_q + tl.where(valid, i, 0)
+    tl.store(KEYS + e, key.to(KEYS.dtype.element_ty), mask=in_range)
+
+
+@triton.jit
+def inverse_from_sorted_kernel(KEYS, ORDER, SLOTS, ROUTES, ROWS, BITS, n_entries, s_q, k, n_blocks,
+                               sr_b, sr_s, sr_k, LOG2_BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows and key masks of the index from the sorted keys.
+
+    ``KEYS`` ascending; ``ORDER[e]``: the route entry (numbered as by
+    :func:`inverse_keys_kernel`) that sorted key ``e`` came from; ``SLOTS[e]``: how many
+    (block, row) pairs start at or before ``e`` (an inclusive prefix count). Key ``e``
+    belongs to pair ``SLOTS[e] - 1``: the pair's first key writes its row into ``ROWS``
+    (int32), every key ORs bit ``id % BLOCK_N`` of its route into ``BITS`` (int64, zero
+    on entry)."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = e < n_entries
+    key = tl.load(KEYS + e, mask=in_range, other=0).to(tl.int64)
+    prev = tl.load(KEYS + e - 1, mask=in_range & (e > 0), other=-1).to(tl.int64)
+    valid = in_range & ((key // s_q) % (n_blocks + 1) != n_blocks)
+    pair = tl.load(SLOTS + e, mask=valid, other=1).to(tl.int64) - 1
+    tl.store(ROWS + pair, (key % s_q).to(tl.int32), mask=valid & (key != prev))
+    entry = tl.load(ORDER + e, mask=valid, other=0)
+    ids = tl.load(ROUTES + entry // k // s_q * sr_b + entry // k % s_q * sr_s + entry % k * sr_k,
+                  mask=valid, other=0)
+    bit = tl.full([BLOCK], 1, tl.int64) << (ids.to(tl.int64) & ((1 << LOG2_BLOCK_N) - 1))
+    tl.atomic_or(BITS + pair, bit, mask=valid, sem="relaxed")
+
+
+# ------------------------------------------------------------------------------ dK/dV
+@triton.jit
+def _kv_step(p0, n_pairs, first, rows, bits_ptr, q_base, do_base, lse_base, delta_base,
+             sq_s, sq_h, sq_d, sdo_s, sdo_h, sdo_d, sl_h, sl_s, sdl_h, sdl_s,
+             g, G, k, v, n, d, d_ok, dk, dv, scale_log2,
+             BLOCK_M: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One chunk of BLOCK_M (row, head) pairs of the block's rows; returns dK, dV
+    (dK unscaled)."""
+    p = p0 + tl.arange(0, BLOCK_M)
+    ok = p < n_pairs
+    u = first + p // G
+    head = (g * G + p % G).to(tl.int64)
+    row = tl.load(rows + u, mask=ok, other=0).to(tl.int64)
+    bits = tl.load(bits_ptr + u, mask=ok, other=0)
+    io_mask = ok[:, None] & d_ok[None, :]
+    q = tl.load(q_base + row[:, None] * sq_s + head[:, None] * sq_h + d[None, :] * sq_d, mask=io_mask, other=0.0)
+    do = tl.load(do_base + row[:, None] * sdo_s + head[:, None] * sdo_h + d[None, :] * sdo_d, mask=io_mask,
+                 other=0.0)
+    lse_log2 = tl.load(lse_base + head * sl_h + row * sl_s, mask=ok, other=0.0) * _LOG2E
+    delta = tl.load(delta_base + head * sdl_h + row * sdl_s, mask=ok, other=0.0)
+    member = ((bits[:, None] >> n[None, :]) & 1) != 0
+    s = _dot(q, tl.trans(k), IEEE) * scale_log2
+    # where, not a product: S and dP of keys no row routes to may be inf/NaN (such K/V
+    # rows may hold anything) and must not reach the sums
+    prob = tl.where(member, tl.exp2(s - lse_log2[:, None]), 0.0)
+    dp = _dot(do, tl.trans(v), IEEE)
+    ds = tl.where(member, prob * (dp - delta[:, None]), 0.0)
+    dv += _dot(tl.trans(_narrow(prob, do.dtype, INTERPRET)), do, IEEE)
+    dk += _dot(tl.trans(_narrow(ds, q.dtype, INTERPRET)), q, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def kv_backward_kernel(
+    Q, K, V, DO, LSE, DELTA, ROWS, BITS, START, DK, DV,
+    sq_b, sq_s, sq_h, sq_d,
+    sk_b, sk_s, sk_h, sk_d,
+    sv_b, sv_s, sv_h, sv_d,
+    sdo_b, sdo_s, sdo_h, sdo_d,
+    sl_b, sl_h, sl_s,
+    sdl_b, sdl_h, sdl_s,
+    sdk_b, sdk_s, sdk_h, sdk_d,
+    sdv_b, sdv_s, sdv_h, sdv_d,
+    S_kv, N_BLOCKS, HKV, G, D, scale, scale_log2,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """dK, dV [B, S_kv, Hkv, D] (their own dtype) of key block ``program_id(0)`` of batch
+    row ``program_id(1) // HKV``, KV head ``program_id(1) % HKV``.
+
+    Q, DO ``[B, S_q, Hq, D]``; K, V ``[B, S_kv, Hkv, D]``; LSE (natural log) and DELTA
+    (sum_d dO * O) fp32 ``[B, Hq, S_q]``; ROWS int32, BITS int64 and START int64
+    ``[B * N_BLOCKS + 1]``: the inverse route index with BLOCK_N keys per block. Any
+    strides. Writes every element of DK and DV for the block's keys below S_kv.
+    """
+    blk = tl.program_id(0)
+    bg = tl.program_id(1)
+    b = (bg // HKV).to(tl.int64)
+    g = (bg % HKV).to(tl.int64)
+    n = tl.arange(0, BLOCK_N)
+    key = blk.to(tl.int64) * BLOCK_N + n
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    kv_mask = (key < S_kv)[:, None] & d_ok[None, :]
+    k = tl.load(K + b * sk_b + g * sk_h + key[:, None] * sk_s + d[None, :] * sk_d, mask=kv_mask, other=0.0)
+    v = tl.load(V + b * sv_b + g * sv_h + key[:, None] * sv_s + d[None, :] * sv_d, mask=kv_mask, other=0.0)
+
+    seg = b * N_BLOCKS + blk
+    first = _scalar(START + seg)
+    n_pairs = (_scalar(START + seg + 1) - first) * G
+    q_base = Q + b * sq_b
+    do_base = DO + b * sdo_b
+    lse_base = LSE + b * sl_b
+    delta_base = DELTA + b * sdl_b
+    dk = tl.full([BLOCK_N, D_PAD], 0.0, tl.float32)
+    dv = tl.full([BLOCK_N, D_PAD], 0.0, tl.float32)
+    if INTERPRET:
+        p0 = 0
+        while p0 < n_pairs:
+            dk, dv = _kv_step(p0, n_pairs, first, ROWS, BITS, q_base, do_base, lse_base, delta_base,
+                              sq_s, sq_h, sq_d, sdo_s, sdo_h, sdo_d, sl_h, sl_s, sdl_h, sdl_s,
+                              g, G, k, v, n, d, d_ok, dk, dv, scale_log2, BLOCK_M, IEEE, INTERPRET)
+            p0 += BLOCK_M
+    else:
+        for p0 in range(0, n_pairs, BLOCK_M):
+            dk, dv = _kv_step(p0, n_pairs, first, ROWS, BITS, q_base, do_base, lse_base, delta_base,
+                              sq_s, sq_h, sq_d, sdo_s, sdo_h, sdo_d, sl_h, sl_s, sdl_h, sdl_s,
+                              g, G, k, v, n, d, d_ok, dk, dv, scale_log2, BLOCK_M, IEEE, INTERPRET)
+
+    dk_ptr = DK + b * sdk_b + g * sdk_h + key[:, None] * sdk_s + d[None, :] * sdk_d
+    tl.store(dk_ptr, _narrow(dk * scale, DK.dtype.element_ty, INTERPRET), mask=kv_mask)
+    dv_ptr = DV + b * sdv_b + g * sdv_h + key[:, None] * sdv_s + d[None, :] * sdv_d
+    tl.store(dv_ptr, _narrow(dv, DV.dtype.element_ty, INTERPRET), mask=kv_mask)
