@@ -136,6 +136,7 @@ def make_problem(
     batch: int = 2,
     world_size: int = 2,
     rank: int = 0,
+    overlap: float | None = None,
 ) -> RouteProblem:
     """Build one problem of ``layout`` with routes of ``route_family``.
 
@@ -143,7 +144,9 @@ def make_problem(
     lengths are drawn from ``seed``: padded rows get lengths in
     ``[seq_len/2, seq_len]`` (the first row full), packed rows 1-4 documents
     summing to ``seq_len``, and ``"cp"`` shards a packed problem. ``width``
-    defaults to the QSA width of ``top_k`` (default ``top_k`` 512).
+    defaults to the QSA width of ``top_k`` (default ``top_k`` 512). ``overlap``
+    (``"qsa"`` only): the target adjacent-row Jaccard of
+    :func:`qsa_common.generators.qsa_format_routes`; None keeps its default routes.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
@@ -152,7 +155,7 @@ def make_problem(
     rng = np.random.default_rng(seed)
     if width is None:
         width = qsa_width(512 if top_k is None else top_k)
-    doc_routes = family(route_family, width=width, top_k=top_k, rng=rng)
+    doc_routes = family(route_family, width=width, top_k=top_k, overlap=overlap, rng=rng)
     if layout == "padded":
         lengths = [seq_len] + [int(rng.integers(seq_len // 2, seq_len + 1)) for _ in range(batch - 1)]
         return padded_batch(lengths, seq_len, doc_routes)
