@@ -11,47 +11,132 @@ zeros and contribute nothing to any gradient.
 
 Devices:
 
-* CUDA: FlexAttention is compiled with ``torch.compile`` on the first CUDA call
-  (never at import); forward and backward. One compilation per distinct shape
-  (``dynamic=False``); the fresh mask callback of each call does not recompile.
-  Past the process's dynamo recompile limit (``torch._dynamo.config.recompile_limit``,
-  8 by default) torch falls back to uncompiled FlexAttention, which materialises
-  the scores: raise the limit in programs that see many shapes.
-* CPU: the same code runs FlexAttention uncompiled, forward only and for small
-  shapes (that path materialises the ``[B, Hq, S_q, S_kv]`` scores). FlexAttention
-  has no CPU backward; asking for gradients on CPU raises ``NotImplementedError``.
+* CUDA: FlexAttention is compiled with ``torch.compile(fullgraph=True,
+  dynamic=False)`` on the first CUDA call (never at import); forward and backward.
+  A compiled function specialises on every shape it sees, so inputs are first
+  padded to bucketed shapes (:func:`bucket_length`, :func:`bucket_batch`: S up to
+  2048 to a multiple of 128, longer S to one of 8 lengths per octave, at most
+  12.5% more; padding rows route nowhere and are cut off again). Each bucketed
+  shape compiles once (the fresh mask callback of each call does not recompile),
+  and a process compiles at most :data:`MAX_COMPILED_SHAPES` of them: the call
+  that would need one more raises ``RuntimeError``. Uncompiled FlexAttention
+  (which materialises the ``[B, Hq, S_q, S_kv]`` scores) never runs on CUDA:
+  dynamo's recompile limit is raised for these calls only and a compile that
+  fails raises (``fullgraph=True``, ``fail_on_recompile_limit_hit``, no
+  ``suppress_errors``).
+* CPU: the same code runs FlexAttention uncompiled and unpadded, forward only and
+  for small shapes (that path materialises the scores). FlexAttention has no CPU
+  backward; asking for gradients on CPU raises ``NotImplementedError``.
 
-Memory: the membership table costs ``B * S_q * S_kv`` bytes (2.4 GB for one
-49152-token sequence), about twice that while it is built.
+Memory: the membership table costs ``B * S_q * S_kv`` bytes of the bucketed
+shape (2.25 GiB for one 49152-token sequence, 64 GiB at 262144), about twice that
+while it is built; a CUDA call that would not fit raises ``torch.OutOfMemoryError``
+before allocating anything.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .routes import ProblemDims, membership_table, validate_inputs
 
-__all__ = ["flex_sparse_gqa_attention"]
+__all__ = ["MAX_COMPILED_SHAPES", "bucket_batch", "bucket_length", "flex_sparse_gqa_attention"]
 
 # FlexAttention's sparse tile (query rows x key rows) of the BlockMask.
 _TILE = 128
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Compiled specialisations (bucketed shape, dtype, device, grad mode, scale) one process
+# may create; a training run over S in [128, 32768] at one batch size needs 48 per mode.
+MAX_COMPILED_SHAPES = 128
 
 
-@functools.cache
-def _compiled_flex():
-    """``torch.compile(flex_attention)``, built on first use.
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
 
-    Cached so that every call shares one compiled function; importing this
-    module never imports inductor.
-    """
+
+def bucket_length(n: int) -> int:
+    """The padded length of a sequence of ``n`` rows: a multiple of 128 up to 2048,
+    beyond that a multiple of ``next_pow2(n) / 16`` (8 lengths per octave, at most
+    12.5% padding)."""
+    step = max(_TILE, _next_pow2(n) // 16)
+    return -(-int(n) // step) * step
+
+
+def bucket_batch(b: int) -> int:
+    """The padded batch size: exact up to 16, beyond that a multiple of
+    ``next_pow2(b) / 16`` (8 sizes per octave, at most 12.5% padding)."""
+    step = max(1, _next_pow2(b) // 16)
+    return -(-int(b) // step) * step
+
+
+def _compile_flex(compiler: Callable | None = None) -> Callable:
+    """``torch.compile(flex_attention, fullgraph=True, dynamic=False)`` (or ``compiler``
+    with those arguments); imports inductor only when first called."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return (compiler or torch.compile)(flex_attention, fullgraph=True, dynamic=False)
+
+
+def _dynamo_limits(shapes: int) -> dict:
+    """Dynamo settings for a compiled FlexAttention call: room for ``shapes``
+    specialisations, and a hard error (never an uncompiled run) past them or on any
+    compile failure. Options this torch does not have are left out."""
+    config = torch._dynamo.config
+    wanted = dict(
+        recompile_limit=max(config.recompile_limit, shapes),
+        accumulated_recompile_limit=max(config.accumulated_recompile_limit, 2 * shapes),
+        fail_on_recompile_limit_hit=True,
+        suppress_errors=False,
+    )
+    return {name: value for name, value in wanted.items() if hasattr(config, name)}
+
+
+class _CompiledFlex:
+    """Compiled FlexAttention and the bucketed shapes it has been specialised to.
+
+    ``compiler`` replaces ``torch.compile`` (tests count compilations with it).
+    """
+
+    def __init__(self, compiler: Callable | None = None):
+        self._compiler = compiler
+        self._function: Callable | None = None
+        self.shapes: set[tuple] = set()
+
+    def __call__(self, q, k, v, block_mask, scale: float) -> torch.Tensor:
+        """FlexAttention on ``[B, H, S, D]`` tensors of a bucketed shape."""
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), torch.is_grad_enabled(),
+               tuple(t.requires_grad for t in (q, k, v)), float(scale))
+        if key not in self.shapes and len(self.shapes) >= MAX_COMPILED_SHAPES:
+            raise RuntimeError(
+                f"flex_sparse_gqa_attention: compiled FlexAttention already holds "
+                f"{len(self.shapes)} specialisations in this process (MAX_COMPILED_SHAPES), "
+                f"and query {tuple(q.shape)} / key {tuple(k.shape)} ({q.dtype}) would need "
+                "another; it does not fall back to uncompiled FlexAttention (O(S^2) memory). "
+                "Use a token-gather backend (triton) for inputs of this many shapes."
+            )
+        if self._function is None:
+            self._function = _compile_flex(self._compiler)
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
+        with torch._dynamo.config.patch(**_dynamo_limits(MAX_COMPILED_SHAPES + 8)):
+            try:
+                out = self._function(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+            except FailOnRecompileLimitHit as err:
+                raise RuntimeError(
+                    "flex_sparse_gqa_attention: torch.compile refused to specialise "
+                    f"FlexAttention for query {tuple(q.shape)} / key {tuple(k.shape)} "
+                    f"(dynamo's recompile limit); it does not run uncompiled: {err}"
+                ) from err
+        self.shapes.add(key)
+        return out
+
+
+_COMPILED = _CompiledFlex()
 
 
 def _membership_flat_offset(
@@ -179,14 +264,20 @@ def _block_mask_from_table(table: torch.Tensor):
     )
 
 
-def _run_flex(query, key, value, block_mask, scale: float) -> torch.Tensor:
-    """FlexAttention on ``[B, S, H, D]`` tensors, as it is: no empty-row fix."""
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    if query.device.type == "cuda":
-        out = _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
-    else:
-        from torch.nn.attention.flex_attention import flex_attention
+def _run_flex(query, key, value, block_mask, scale: float, compiled: _CompiledFlex | None = None
+              ) -> torch.Tensor:
+    """FlexAttention on ``[B, S, H, D]`` tensors, as it is: no empty-row fix.
 
+    ``compiled``: run through it (bucketed shapes); else FlexAttention as a plain
+    call: traced by an enclosing ``torch.compile``, or eager and unfused on CPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if compiled is not None:
+        out = compiled(q, k, v, block_mask, scale)
+    elif torch.compiler.is_compiling():
+        out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    else:
         # FlexAttention refuses CPU inputs that require grad even under no_grad
         q, k, v = (t.detach() for t in (q, k, v))
         with warnings.catch_warnings():
@@ -194,6 +285,41 @@ def _run_flex(query, key, value, block_mask, scale: float) -> torch.Tensor:
             warnings.filterwarnings("ignore", message=".*without torch.compile")
             out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
+
+
+def _bucketed(dims: ProblemDims) -> ProblemDims:
+    """``dims`` with B, S_q and S_kv padded to their buckets."""
+    return ProblemDims(bucket_batch(dims.batch), bucket_length(dims.query_length),
+                       bucket_length(dims.kv_length), dims.query_heads, dims.kv_heads,
+                       dims.head_dim, dims.routes_per_query)
+
+
+def _pad_rows(x: torch.Tensor, batch: int, rows: int, value=0) -> torch.Tensor:
+    """``x`` ``[B, S, ...]`` padded with ``value`` to ``[batch, rows, ...]``; always a
+    contiguous tensor (the compiled function specialises on strides too)."""
+    extra = (0, 0) * (x.dim() - 2) + (0, rows - x.shape[1], 0, batch - x.shape[0])
+    if not any(extra):
+        return x.contiguous()
+    return F.pad(x, extra, value=value)
+
+
+def _attend_bucketed(query, key, value, routes, dims: ProblemDims, scale: float,
+                     compiled: _CompiledFlex) -> torch.Tensor:
+    """The compiled path: inputs padded to the bucketed shape, padding rows routing
+    nowhere (route IDs are cut to the true S_kv first), the result cut back."""
+    padded = _bucketed(dims)
+    available = _available_bytes(query.device)
+    if available is not None:
+        _check_table_fits(padded, available)
+    valid = (routes >= 0) & (routes < dims.kv_length)
+    has_route = valid.any(dim=-1)
+    routes = torch.where(valid, routes, torch.full((), -1, dtype=routes.dtype, device=routes.device))
+    routes = _pad_rows(routes, padded.batch, padded.query_length, -1)
+    q = _pad_rows(query, padded.batch, padded.query_length)
+    k, v = (_pad_rows(t, padded.batch, padded.kv_length) for t in (key, value))
+    block_mask = _block_mask_from_table(membership_table(routes, padded.kv_length))
+    out = _run_flex(q, k, v, block_mask, scale, compiled)[: dims.batch, : dims.query_length]
+    return torch.where(has_route[:, :, None, None], out, out.new_zeros(()))
 
 
 def _table_build_bytes(dims: ProblemDims) -> int:
@@ -225,8 +351,10 @@ def _check_table_fits(dims: ProblemDims, available_bytes: int) -> None:
         )
 
 
-def _available_cuda_bytes(device: torch.device) -> int:
-    """Free device memory plus what the caching allocator holds unused."""
+def _available_bytes(device: torch.device) -> int | None:
+    """Free CUDA memory plus what the caching allocator holds unused; None off CUDA."""
+    if device.type != "cuda":
+        return None
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int(free + cached)
@@ -257,14 +385,16 @@ def flex_sparse_gqa_attention(
         exactly 0, with exactly zero dq and no contribution to dk/dv.
 
     Device and gradients: on CUDA, forward and backward through the compiled
-    kernel. On CPU, forward only (uncompiled, small shapes): if autograd is on
+    kernel, on inputs padded to the bucketed shape (module docstring). On CPU,
+    forward only (uncompiled, small shapes): if autograd is on
     (``torch.is_grad_enabled()``) and any of query/key/value requires grad,
     ``NotImplementedError`` is raised before any work; call it under
-    ``torch.no_grad()`` or with detached inputs for a CPU forward.
+    ``torch.no_grad()`` or with detached inputs for a CPU forward. Inside an
+    enclosing ``torch.compile`` the call is traced into that graph instead.
 
-    Memory: the membership table takes ``B * S_q * S_kv`` bytes (about twice
-    that while built). On CUDA the call first checks that this fits the free
-    device memory and otherwise raises ``torch.OutOfMemoryError``.
+    Memory: the membership table takes ``B * S_q * S_kv`` bytes of the bucketed
+    shape (about twice that while built). On CUDA the call first checks that this
+    fits the free device memory and otherwise raises ``torch.OutOfMemoryError``.
 
     Raises:
         ValueError: bad shapes, heads, devices (also a device other than CUDA
@@ -273,6 +403,8 @@ def flex_sparse_gqa_attention(
             that are not signed int32/int64; a non-real scale.
         NotImplementedError: gradients requested on CPU.
         torch.OutOfMemoryError: (a RuntimeError) the table does not fit on the GPU.
+        RuntimeError: the bucketed shape would be compiled specialisation number
+            :data:`MAX_COMPILED_SHAPES` + 1, or torch.compile refuses it.
     """
     checked = validate_inputs(
         query, key, value, selected_token_ids, softmax_scale, dtypes=_DTYPES
@@ -291,8 +423,8 @@ def flex_sparse_gqa_attention(
             "no CPU backward. On CPU call it under torch.no_grad() or with inputs that "
             "do not require grad (forward only)."
         )
-    if device.type == "cuda":
-        _check_table_fits(dims, _available_cuda_bytes(device))
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        return _attend_bucketed(query, key, value, selected_token_ids, dims, checked.scale, _COMPILED)
     table, has_route = _routes_to_membership(selected_token_ids, dims.kv_length)
     block_mask = _block_mask_from_table(table)
     out = _run_flex(query, key, value, block_mask, checked.scale)

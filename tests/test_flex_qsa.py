@@ -192,10 +192,10 @@ def test_compiled_kernel_honours_the_tile_lists(rng):
     bm = flex_qsa._block_mask_from_table(table)
     q, k, v, _ = random_inputs(rng, routes, s_kv, (4, 2), 16, "float32")
     tensors = [torch.tensor(x, dtype=torch.float32).transpose(1, 2) for x in (q, k, v)]
+    compiled = flex_qsa._compile_flex()
 
     def run(block_mask):
-        out = flex_qsa._compiled_flex()(*tensors, block_mask=block_mask, scale=0.25,
-                                        enable_gqa=True).transpose(1, 2)
+        out = compiled(*tensors, block_mask=block_mask, scale=0.25, enable_gqa=True).transpose(1, 2)
         return torch.where(has_route[:, :, None, None], out, 0).double().numpy()
 
     want = oracle_forward_backward(q, k, v, routes, 0.25)[0]
@@ -218,6 +218,136 @@ def test_tile_counts_match_brute_force(rng):
         want[b, i, j] = int(table[b, i * T:(i + 1) * T, j * T:(j + 1) * T].sum())
     np.testing.assert_array_equal(counts.numpy(), want)
     assert (counts[0, :2, :2] == T * T).all()
+
+
+# ------------------------------------------------------------ bucketed compilation
+
+
+def test_bucket_lengths():
+    assert [flex_qsa.bucket_length(n) for n in (1, 128, 129, 2048, 2049, 4096, 4097)] == [
+        128, 128, 256, 2048, 2304, 4096, 4608]
+    assert flex_qsa.bucket_length(262144) == 262144 and flex_qsa.bucket_length(262145) == 294912
+    assert [flex_qsa.bucket_batch(b) for b in (1, 16, 17, 33, 33000)] == [1, 16, 18, 36, 36864]
+    for n in range(1, 20000, 37):
+        padded = flex_qsa.bucket_length(n)
+        assert padded >= n and padded % T == 0 and padded == flex_qsa.bucket_length(padded)
+        assert n <= 2048 or padded <= 1.125 * n
+        b = flex_qsa.bucket_batch(n)
+        assert n <= b <= 1.125 * n and b == flex_qsa.bucket_batch(b)
+    # 8 buckets per octave past 2048: a run over S in [128, 32768] needs 48
+    assert len({flex_qsa.bucket_length(n) for n in range(1, 32769)}) == 48
+
+
+# (B, S_q, S_kv): 12 shapes in 7 buckets, CP shapes (S_q != S_kv) and ragged batches among them
+_SHAPES = [(1, 100, 100), (1, 130, 130), (1, 250, 256), (2, 40, 90), (2, 60, 128), (1, 64, 300),
+           (3, 33, 33), (3, 128, 1), (17, 20, 20), (18, 7, 100), (1, 20, 2050), (1, 30, 2300)]
+
+
+def _bucketed_case(rng, batch, s_q, s_kv, width=6):
+    routes = rng.integers(-2, s_kv + 3, size=(batch, s_q, width))
+    routes[:, ::5] = -1  # empty rows
+    routes[:, 1::7, 0] = 2**40  # huge IDs
+    q, k, v, _ = random_inputs(rng, routes, s_kv, (4, 2), 16, "float32")
+    tensors = [torch.tensor(x, dtype=torch.float32) for x in (q, k, v)]
+    return routes, (q, k, v), tensors
+
+
+def test_bucketed_path_compiles_each_bucket_once_with_a_counting_compiler(rng, monkeypatch):
+    """The CUDA path's mechanism on CPU: a stand-in compiler counts what it is asked to
+    specialise (and runs FlexAttention eagerly); 12 shapes need 7 specialisations, all
+    of bucketed shapes, and every result equals the oracle (forward only on CPU)."""
+    import warnings
+
+    built, seen = [], set()
+
+    def counting_compiler(fn, **options):
+        built.append(options)
+
+        def run(q, k, v, **kwargs):
+            seen.add((tuple(q.shape), tuple(k.shape), tuple(kwargs["block_mask"].kv_indices.shape)))
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*without torch.compile")
+                return fn(q, k, v, **kwargs)
+
+        return run
+
+    cache = flex_qsa._CompiledFlex(counting_compiler)
+    buckets = set()
+    for batch, s_q, s_kv in _SHAPES:
+        routes, arrays, tensors = _bucketed_case(rng, batch, s_q, s_kv)
+        dims = ProblemDims(batch, s_q, s_kv, 4, 2, 16, routes.shape[2])
+        with torch.no_grad():
+            out = flex_qsa._attend_bucketed(*tensors, torch.from_numpy(routes), dims, 0.3, cache)
+        want = oracle_forward_backward(*arrays, routes, 0.3)[0]
+        assert out.shape == (batch, s_q, 4, 16)
+        assert relative_error(out.numpy(), want) < 1e-5, (batch, s_q, s_kv)
+        padded = flex_qsa._bucketed(dims)
+        buckets.add((padded.batch, padded.query_length, padded.kv_length))
+    assert built == [dict(fullgraph=True, dynamic=False)]  # one compiled function
+    assert len(buckets) == 7 and len(seen) == len(buckets) == len(cache.shapes)
+    for (qb, qh, qs, qd), (kb, kh, ks, kd), _ in seen:
+        assert (qb, qs, ks) in buckets and qs % T == 0 and ks % T == 0
+    # a full cache refuses a new shape with a clear error and still runs the known ones
+    monkeypatch.setattr(flex_qsa, "MAX_COMPILED_SHAPES", len(cache.shapes))
+    routes, _, tensors = _bucketed_case(rng, 1, 600, 600)
+    with pytest.raises(RuntimeError, match="MAX_COMPILED_SHAPES.*token-gather"), torch.no_grad():
+        flex_qsa._attend_bucketed(*tensors, torch.from_numpy(routes),
+                                  ProblemDims(1, 600, 600, 4, 2, 16, 6), 0.3, cache)
+    routes, _, tensors = _bucketed_case(rng, 1, 99, 101)
+    with torch.no_grad():
+        flex_qsa._attend_bucketed(*tensors, torch.from_numpy(routes),
+                                  ProblemDims(1, 99, 101, 4, 2, 16, 6), 0.3, cache)
+
+
+def test_bucketed_path_compiles_each_bucket_once_with_dynamo(rng):
+    """The same with real dynamo (aot_eager backend, so no inductor build): a new bucket
+    adds exactly one compiled graph, a known one none (the fresh mask callback and table
+    of each call do not recompile), more than dynamo's default limit of 8 shapes compile
+    without an uncompiled fallback, and results equal the oracle."""
+    import functools
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    cache = flex_qsa._CompiledFlex(functools.partial(torch.compile, backend="aot_eager"))
+    # 13 shapes, 11 buckets: past dynamo's default recompile_limit of 8
+    shapes = [(b, 10 + b, 40 - b) for b in range(1, 12)] + [(1, 127, 128), (3, 100, 5)]
+    for batch, s_q, s_kv in shapes:
+        routes, arrays, tensors = _bucketed_case(rng, batch, s_q, s_kv)
+        dims = ProblemDims(batch, s_q, s_kv, 4, 2, 16, routes.shape[2])
+        known = len(cache.shapes)
+        graphs = counters["stats"]["unique_graphs"]
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = flex_qsa._attend_bucketed(*tensors, torch.from_numpy(routes), dims, 0.3, cache)
+        assert not [w for w in caught if "without torch.compile" in str(w.message)]
+        assert counters["stats"]["unique_graphs"] - graphs == len(cache.shapes) - known
+        want = oracle_forward_backward(*arrays, routes, 0.3)[0]
+        assert relative_error(out.numpy(), want) < 1e-5, (batch, s_q, s_kv)
+    assert len(cache.shapes) == 11 > torch._dynamo.config.recompile_limit
+
+
+def test_table_is_refused_at_the_models_full_context():
+    """S = 262144 (max_position_embeddings): 64 GiB of table, ~143 GiB while it is built,
+    more than an H200 has (143771 MiB in all): refused before anything is allocated
+    (meta tensors here; the memory query answers as an empty H200 would)."""
+    s, h200 = 262144, 143771 * 2**20
+    dims = ProblemDims(1, s, s, 24, 2, 256, 2052)
+    assert flex_qsa._bucketed(dims) == dims
+    with pytest.raises(torch.OutOfMemoryError, match=r"takes 64\.00 GiB.*about 14[0-9]\.\d\d GiB"):
+        flex_qsa._check_table_fits(dims, h200)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(1, s, 24, 256, **meta)
+    kv = torch.empty(1, s, 2, 256, **meta)
+    routes = torch.empty(1, s, 2052, dtype=torch.int32, device="meta")
+    original = flex_qsa._available_bytes
+    flex_qsa._available_bytes = lambda device: h200
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="membership table"):
+            flex_qsa._attend_bucketed(q, kv, kv, routes, dims, 1 / 16, flex_qsa._CompiledFlex(
+                lambda *a, **k: pytest.fail("nothing may be compiled")))
+    finally:
+        flex_qsa._available_bytes = original
 
 
 # ------------------------------------------------------------ errors
