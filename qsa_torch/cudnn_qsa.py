@@ -18,7 +18,10 @@ the FlashInfer page of the same kernels (docs.flashinfer.ai/generated/
 flashinfer.qsa.qsa_indexed_forward.html) and the facts measured on this project's GPU host
 (GPU.md, "cuDNN Frontend 1.32.0 QSA"); ``scripts/gpu/check_cudnn.py`` records the installed
 signatures there. The kernels run only on SM100/SM103; nothing else in the project's
-hardware can run them, so their numerics are unverified here.
+hardware can run them, so their numerics are unverified here: every process's first
+call warns so (:class:`qsa_torch.routes.UnverifiedBackendWarning`), and
+``qsa_torch.sparse_gqa_attention(backend="auto")`` tries this backend only after the
+portable ones.
 
 The runtime is imported on first use (:func:`_load_cudnn`), never when ``qsa_torch`` is.
 """
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 
 from .routes import (ProblemDims, check_deterministic_backward, refuse_nondeterministic_backward,
-                     validate_inputs, validate_routes)
+                     validate_inputs, validate_routes, warn_unverified)
 
 __all__ = ["cudnn_sparse_gqa_attention"]
 
@@ -290,6 +293,10 @@ def cudnn_sparse_gqa_attention(
         RuntimeError: a GPU other than SM100/SM103 (checked before cuDNN is called), or a
             backward requested under ``torch.use_deterministic_algorithms(True)``.
         ImportError: cuDNN Frontend >= 1.32 with its QSA runtime is not installed.
+
+    Warns:
+        UnverifiedBackendWarning: once per process; no recorded run has checked this
+        backend's numerics on any GPU.
     """
     checked = validate_inputs(
         query, key, value, selected_token_ids, softmax_scale, dtypes=(torch.bfloat16,)
@@ -299,6 +306,7 @@ def cudnn_sparse_gqa_attention(
     check_deterministic_backward("cudnn_qsa", query, key, value)
     _check_gpu(query.device)
     _load_cudnn()
+    warn_unverified("cudnn", "sm100")
 
     indices = _pack_indices(selected_token_ids, dims.kv_length)
     tokens = dims.batch * dims.query_length

@@ -26,7 +26,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .routes import check_deterministic_backward, membership_table, validate_inputs
+from .routes import ProblemDims, check_deterministic_backward, membership_table, validate_inputs
+from .routes import available_device_bytes as _available_bytes
 
 __all__ = ["fa4_sparse_gqa_attention"]
 
@@ -221,6 +222,44 @@ def _chunks(batch: int, query_length: int, kv_length: int, limit: int | None = N
     ]
 
 
+def _memory_needed(dims: ProblemDims, needs_grad: bool) -> tuple[int, int]:
+    """``(tables, peak)``: bytes of all the call's membership tables, and an upper
+    estimate of the device memory its preprocessing needs at once.
+
+    Each FA4 call of :func:`_chunks` has a uint8 table of ``rows * S_q_pad * S_kv_pad``
+    bytes (query rows padded to 128, keys to 64). With gradients every call's table
+    lives until the backward (FA4's mask callback reads it there); without, one at a
+    time. While a table is built, the scatter buffer, its contiguous slice and the
+    padded copy (three tables) and int64 copies of that call's routes also live.
+    """
+    kv_pad = _ceil_div(dims.kv_length, KEY_BLOCK) * KEY_BLOCK
+    tables, routes = [], []
+    for batch_rows, query_rows in _chunks(dims.batch, dims.query_length, dims.kv_length):
+        n_batch, n_rows = batch_rows.stop - batch_rows.start, query_rows.stop - query_rows.start
+        tables.append(n_batch * _ceil_div(n_rows, QUERY_BLOCK) * QUERY_BLOCK * kv_pad)
+        routes.append(n_batch * n_rows * dims.routes_per_query * 3 * 8)
+    kept = sum(tables) if needs_grad else 0
+    return sum(tables), kept + 3 * max(tables) + max(routes)
+
+
+def _check_memory(dims: ProblemDims, needs_grad: bool, available_bytes: int | None) -> None:
+    """Raise ``torch.OutOfMemoryError`` (a RuntimeError) when the membership tables would
+    not fit ``available_bytes`` (None: not checked)."""
+    if available_bytes is None:
+        return
+    tables, need = _memory_needed(dims, needs_grad)
+    if need > available_bytes:
+        kept = "kept for the backward" if needs_grad else "built one FA4 call at a time"
+        raise torch.OutOfMemoryError(
+            "fa4_sparse_gqa_attention: the membership tables for selected_token_ids "
+            f"[B={dims.batch}, S_q={dims.query_length}] over S_kv={dims.kv_length} keys take "
+            f"{tables / 2**30:.2f} GiB (B*S_q*S_kv bytes padded to 128x64 tiles, {kept}), about "
+            f"{need / 2**30:.2f} GiB with their construction, but only "
+            f"{available_bytes / 2**30:.2f} GiB of device memory is free; use shorter sequences, "
+            "fewer rows per call, or a token-gather backend"
+        )
+
+
 def _check_device(device: torch.device) -> None:
     """ValueError off CUDA; RuntimeError on a GPU other than SM90."""
     if device.type != "cuda":
@@ -316,6 +355,11 @@ def fa4_sparse_gqa_attention(
         Differentiable once in query, key and value through FA4's backward
         (not deterministic; fp32 accumulation).
 
+    Memory: uint8 membership tables of ``B * S_q * S_kv`` bytes (padded to 128 x 64
+    tiles; 64 GiB at S = 262144), all kept until the backward when gradients are
+    needed; :func:`_memory_needed` adds what building them takes. A call that would
+    not fit the free device memory is refused before anything is allocated.
+
     Raises:
         TypeError: a non-bf16 compute tensor, routes not signed int32/int64, a
             non-real scale.
@@ -324,6 +368,8 @@ def fa4_sparse_gqa_attention(
         RuntimeError: the GPU is not SM90; gradients are needed while
             ``torch.use_deterministic_algorithms(True)`` (only a warning in
             warn-only mode); backward with ``create_graph=True``.
+        torch.OutOfMemoryError: (a RuntimeError) the membership tables would not
+            fit the free device memory (checked before anything is allocated).
         ImportError: flash-attn-4 / the CuTe DSL is missing (first CUDA call).
     """
     checked = validate_inputs(
@@ -336,6 +382,8 @@ def fa4_sparse_gqa_attention(
         )
     check_deterministic_backward("FA4", query, key, value)
     _check_device(query.device)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    _check_memory(dims, needs_grad, _available_bytes(query.device))
     fa4 = _load_fa4()
     preprocess = _compiled_preprocess()
     # one memory layout for the compiled preprocessing (no stride-specialised recompiles)

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .routes import ProblemDims, membership_table, validate_inputs
+from .routes import available_device_bytes as _available_bytes
 
 __all__ = ["MAX_COMPILED_SHAPES", "bucket_batch", "bucket_length", "flex_sparse_gqa_attention"]
 
@@ -349,15 +350,6 @@ def _check_table_fits(dims: ProblemDims, available_bytes: int) -> None:
             f"while it is built, but only {available_bytes / 2**30:.2f} GiB of device memory "
             "is free; use shorter sequences, fewer rows per call, or a token-gather backend"
         )
-
-
-def _available_bytes(device: torch.device) -> int | None:
-    """Free CUDA memory plus what the caching allocator holds unused; None off CUDA."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(free + cached)
 
 
 def flex_sparse_gqa_attention(

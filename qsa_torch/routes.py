@@ -23,6 +23,7 @@ __all__ = [
     "ProblemDims",
     "UnverifiedBackendWarning",
     "Validated",
+    "available_device_bytes",
     "check_deterministic_backward",
     "validate_inputs",
     "validate_routes",
@@ -94,6 +95,16 @@ def validate_inputs(
         if t.device != query.device:
             raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
     return Validated(dims, resolve_scale(softmax_scale, dims.head_dim))
+
+
+def available_device_bytes(device: torch.device) -> int | None:
+    """Bytes a CUDA device can still hand out: free memory plus what torch's caching
+    allocator holds unused. None off CUDA (nothing is checked there)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + cached)
 
 
 def check_deterministic_backward(backend: str, *tensors: torch.Tensor) -> None:

@@ -490,6 +490,19 @@ def test_other_gpu_raises_runtime_error(heads):
     assert torch.cuda.get_device_name(0) in str(info.value)
 
 
+def test_first_call_warns_that_the_numerics_are_unverified(monkeypatch, recwarn):
+    from qsa_torch import routes as routes_module
+    from qsa_torch.routes import UnverifiedBackendWarning
+
+    _install_stand_in(monkeypatch)
+    monkeypatch.setattr(routes_module, "_UNVERIFIED_WARNED", set())
+    q, k, v, routes = _args(grad=False)
+    for _ in range(2):
+        cudnn_sparse_gqa_attention(q, k, v, routes.clamp(-1, 0))
+    warned = [w for w in recwarn.list if issubclass(w.category, UnverifiedBackendWarning)]
+    assert len(warned) == 1 and "cudnn backend's numerics are unverified on sm100" in str(warned[0].message)
+
+
 class _NanOnEmptyRows(StandInOps):
     """A kernel that leaves NaN in the output and dq of rows without routes."""
 

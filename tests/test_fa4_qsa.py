@@ -458,6 +458,36 @@ def test_chunks_cover_every_row_once(rng):
         _chunks(1, 10, 2**24 + 1)
 
 
+def test_memory_is_checked_before_anything_is_built(monkeypatch):
+    """At S = 262144 (max_position_embeddings) the tables take 64 GiB, all kept for the
+    backward: ~70 GiB with their construction, which an empty H200 (143771 MiB) holds,
+    so FA4 is not refused there by memory; a smaller free budget is refused up front,
+    before flash-attn-4 is imported or anything allocated (meta tensors, no GPU)."""
+    from qsa_torch.routes import ProblemDims
+
+    s, h200 = 262144, 143771 * 2**20
+    dims = ProblemDims(1, s, s, 24, 2, 256, 2052)
+    tables, need = fa4_qsa._memory_needed(dims, needs_grad=True)
+    assert tables == s * s and 64 * 2**30 < need < 72 * 2**30
+    forward_only = fa4_qsa._memory_needed(dims, needs_grad=False)[1]
+    assert forward_only < 8 * 2**30  # one FA4 call's table (< 2 GiB) at a time
+    fa4_qsa._check_memory(dims, True, h200)  # fits: no error
+    fa4_qsa._check_memory(dims, True, None)  # off CUDA: not checked
+    with pytest.raises(torch.OutOfMemoryError, match=r"take 64\.00 GiB.*kept for the backward.*7[01]\.\d\d GiB"):
+        fa4_qsa._check_memory(dims, True, 64 * 2**30)
+    fa4_qsa._check_memory(dims, False, 64 * 2**30)  # forward only fits there
+
+    monkeypatch.setattr(fa4_qsa, "_check_device", lambda device: None)
+    monkeypatch.setattr(fa4_qsa, "_available_bytes", lambda device: 40 * 2**30)
+    monkeypatch.setattr(fa4_qsa, "_load_fa4", lambda: pytest.fail("FA4 must not load"))
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(1, s, 24, 256, requires_grad=True, **meta)
+    kv = torch.empty(1, s, 2, 256, **meta)
+    routes = torch.empty(1, s, 2052, dtype=torch.int32, device="meta")
+    with pytest.raises(torch.OutOfMemoryError, match="fa4_sparse_gqa_attention: the membership tables"):
+        fa4_sparse_gqa_attention(q, kv, kv, routes)
+
+
 # --------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 class TestFA4OnGPU(BackendContract):
