@@ -54,11 +54,12 @@ class KVBlockSizes:
 
     ``block_n``: keys per program, which is also the inverse index's block (16, 32 or
     64). ``block_m``: (query row, head) pairs per step, a power of two >= 16.
-    ``num_warps``, ``num_stages``: Triton's.
+    ``num_warps``, ``num_stages``: Triton's (more than one stage moves the block's K/V
+    copy into shared memory inside the loop).
     """
 
-    block_n: int = 64
-    block_m: int = 64
+    block_n: int = 32
+    block_m: int = 128
     num_warps: int = 8
     num_stages: int = 1
 
@@ -74,9 +75,10 @@ class KVBlockSizes:
                 raise ValueError(f"KVBlockSizes.{name} must be a positive int, got {value!r}")
 
 
-# FA2/FA3's backward shape at head dim 256 (64 keys x 64 rows, two warpgroups); not yet
-# timed on a GPU (scripts/gpu/probe_deterministic.py compares it with other tilings).
-DEFAULT_KV_BLOCK_SIZES = KVBlockSizes()
+# 32 keys x 128 (row, head) pairs: the tiling that compiles for sm_90a without spills at
+# D = 256 (qsa_triton.kv_backward), with less inflation than 64-key blocks on QSA routes;
+# not yet timed on a GPU (scripts/gpu/probe_deterministic.py compares it with others).
+DEFAULT_KV_BLOCK_SIZES = KVBlockSizes(block_n=32, block_m=128, num_warps=8, num_stages=1)
 _LIGHT_KV_BLOCK_SIZES = KVBlockSizes(block_n=32, block_m=32, num_warps=4, num_stages=1)
 
 
@@ -135,7 +137,7 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def build_inverse_index(routes: torch.Tensor, kv_length: int, block_n: int = 64) -> InverseRouteIndex:
+def build_inverse_index(routes: torch.Tensor, kv_length: int, block_n: int = 32) -> InverseRouteIndex:
     """The inverse route index of ``routes`` (no host synchronisation).
 
     Args:

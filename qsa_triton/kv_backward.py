@@ -25,26 +25,31 @@ route sets:
   routes to it), and each program's sums run in a fixed order: the result is bitwise
   reproducible run to run.
 
-Expected work relative to the fused atomic backward (``qsa_torch/_triton_kernels.py``,
-docs/design-token-gather.md). The fused pass runs five products per (pair, union ID):
-Q K^T, dO V^T, dS K, P^T dO, dS^T Q, over its query tiles' unions (inflation 1.5-1.6x the
-useful entries at S = 32768 for 10-11-row tiles, QSA routes), and adds each union chunk's
-dK/dV with fp32 atomics. The deterministic backward runs a dQ pass (three products, the
-same unions) plus this kernel (four products: Q K^T and dO V^T a second time, P^T dO,
-dS^T Q) over ``sum_j |rows(j)| * BLOCK_N`` entries per head: its inflation is the union of
-routing rows per key block. QSA routes select scattered four-token blocks, so far from the
-diagonal a row routes to few keys of a 64-key block: measured on the benchmark's routes
-(qsa_common generators, top_k 512), the inflation is 2.3x at S = 8192 and 6.5x at
-S = 32768 for BLOCK_N = 64 (4.7x at 32, 3.0x at 16). So this kernel does about
-4 * 6.5 / (5 * 1.57) = 3.3x the fused backward's flops at S = 32768, BLOCK_N = 64, and
-gathers each routing row's Q and dO once per key block it touches (about 200 blocks
-per row at S = 32768) instead of gathering K/V once per query tile.
+Expected work relative to the fused atomic backward of the token-gather backend
+(docs/design-token-gather.md). That pass runs five products per (pair, union ID): Q K^T,
+dO V^T, dS K, P^T dO, dS^T Q, over its query tiles' unions (1.5-1.6x the useful entries
+at S = 32768 for tiles of 10-11 rows, QSA routes), and adds each union chunk's dK/dV with
+fp32 atomics. The deterministic backward runs a dQ pass (three products over the same
+unions) plus this kernel: four products (Q K^T and dO V^T a second time, P^T dO, dS^T Q)
+over ``sum_j |rows(j)| * BLOCK_N`` entries per head, so its inflation is the union of
+routing rows per key block. QSA routes select scattered four-token blocks, and far from
+the diagonal a row routes to few keys of a key block: on the benchmark's routes
+(qsa_common generators, top_k 512) the inflation is 6.5x at S = 32768 for BLOCK_N = 64,
+4.7x for 32 and 3.0x for 16 (2.3x, BLOCK_N = 64, at S = 8192). At S = 32768 and BLOCK_N
+= 32 this kernel thus runs 4 * 4.7 / (5 * 1.57) = 2.4x the fused pass's flops (the
+deterministic backward with its dQ pass 3.0x), and it gathers each routing row's Q and
+dO once per key block the row touches (about 290 blocks of 32 keys per row; 200 of 64,
+380 of 16) where the fused pass gathers K/V once per query tile.
 
-Hopper shape: BLOCK_N and BLOCK_M powers of two >= 16 (every dot has M, N, K >= 16); the
-dK/dV accumulators are 2 * BLOCK_N * D_PAD fp32 (64 x 256 each at D = 256: 128 registers
-per thread with 8 warps), K/V of the block stay resident, and only one chunk's Q/dO
-gather is live per step. Long unions (early keys are routed by many rows) make long
-programs; nothing here splits them.
+Hopper shape: BLOCK_N and BLOCK_M powers of two >= 16 (every dot has M, N, K >= 16). The
+dK/dV accumulators are held transposed, 2 * D_PAD * BLOCK_N fp32 (2 * 256 * 64 at D = 256
+and BLOCK_N = 64: 128 registers per thread with 8 warps), so that the dK/dV products have
+M = D_PAD for any BLOCK_N; K/V of the block are read once into shared memory (one
+pipeline stage keeps that copy out of the loop) and each step gathers one chunk of Q/dO.
+Compiled for sm_90a (ptxas, 8 warps, one stage, 16-bit, D = 256): BLOCK_N = 64 with
+BLOCK_M = 64 spills about 500 bytes; BLOCK_N = 32 or 16 with BLOCK_M = 128 spill 8 bytes
+in 172 / 152 KiB of shared memory. Long unions (early keys are routed by many rows) make
+long programs; nothing here splits them.
 
 Offsets: per-program base pointers and the gathered rows' offsets are int64. Rows past a
 segment's end are masked (bits 0, Q/dO zero), so they contribute exactly nothing.
@@ -148,8 +153,8 @@ def _kv_step(p0, n_pairs, first, rows, bits_ptr, q_base, do_base, lse_base, delt
              sq_s, sq_h, sq_d, sdo_s, sdo_h, sdo_d, sl_h, sl_s, sdl_h, sdl_s,
              g, G, k, v, n, d, d_ok, dk, dv, scale_log2,
              BLOCK_M: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """One chunk of BLOCK_M (row, head) pairs of the block's rows; returns dK, dV
-    (dK unscaled)."""
+    """One chunk of BLOCK_M (row, head) pairs of the block's rows; returns dK^T, dV^T
+    ``[D_PAD, BLOCK_N]`` (dK unscaled)."""
     p = p0 + tl.arange(0, BLOCK_M)
     ok = p < n_pairs
     u = first + p // G
@@ -162,15 +167,21 @@ def _kv_step(p0, n_pairs, first, rows, bits_ptr, q_base, do_base, lse_base, delt
                  other=0.0)
     lse_log2 = tl.load(lse_base + head * sl_h + row * sl_s, mask=ok, other=0.0) * _LOG2E
     delta = tl.load(delta_base + head * sdl_h + row * sdl_s, mask=ok, other=0.0)
-    member = ((bits[:, None] >> n[None, :]) & 1) != 0
+    # bit n of the int64 mask, tested on its 32-bit halves (int32 shifts, and no
+    # [BLOCK_M, BLOCK_N] int64 shift amounts held across the loop)
+    word = tl.where((n < 32)[None, :], bits.to(tl.int32)[:, None], (bits >> 32).to(tl.int32)[:, None])
+    member = ((word >> (n & 31)[None, :]) & 1) != 0
     s = _dot(q, tl.trans(k), IEEE) * scale_log2
     # where, not a product: S and dP of keys no row routes to may be inf/NaN (such K/V
     # rows may hold anything) and must not reach the sums
     prob = tl.where(member, tl.exp2(s - lse_log2[:, None]), 0.0)
     dp = _dot(do, tl.trans(v), IEEE)
     ds = tl.where(member, prob * (dp - delta[:, None]), 0.0)
-    dv += _dot(tl.trans(_narrow(prob, do.dtype, INTERPRET)), do, IEEE)
-    dk += _dot(tl.trans(_narrow(ds, q.dtype, INTERPRET)), q, IEEE)
+    # transposed products, dV^T += dO^T P and dK^T += Q^T dS: M = D_PAD fills the wgmma
+    # tiles of both warpgroups whatever BLOCK_N is, and every operand is read from
+    # shared memory (ptxas, sm_90a: no spills at BLOCK_N = 32, BLOCK_M = 128)
+    dv += _dot(tl.trans(do), _narrow(prob, do.dtype, INTERPRET), IEEE)
+    dk += _dot(tl.trans(q), _narrow(ds, q.dtype, INTERPRET), IEEE)
     return dk, dv
 
 
@@ -216,8 +227,8 @@ def kv_backward_kernel(
     do_base = DO + b * sdo_b
     lse_base = LSE + b * sl_b
     delta_base = DELTA + b * sdl_b
-    dk = tl.full([BLOCK_N, D_PAD], 0.0, tl.float32)
-    dv = tl.full([BLOCK_N, D_PAD], 0.0, tl.float32)
+    dk = tl.full([D_PAD, BLOCK_N], 0.0, tl.float32)  # transposed: dK^T, dV^T
+    dv = tl.full([D_PAD, BLOCK_N], 0.0, tl.float32)
     if INTERPRET:
         p0 = 0
         while p0 < n_pairs:
@@ -231,7 +242,8 @@ def kv_backward_kernel(
                               sq_s, sq_h, sq_d, sdo_s, sdo_h, sdo_d, sl_h, sl_s, sdl_h, sdl_s,
                               g, G, k, v, n, d, d_ok, dk, dv, scale_log2, BLOCK_M, IEEE, INTERPRET)
 
-    dk_ptr = DK + b * sdk_b + g * sdk_h + key[:, None] * sdk_s + d[None, :] * sdk_d
-    tl.store(dk_ptr, _narrow(dk * scale, DK.dtype.element_ty, INTERPRET), mask=kv_mask)
-    dv_ptr = DV + b * sdv_b + g * sdv_h + key[:, None] * sdv_s + d[None, :] * sdv_d
-    tl.store(dv_ptr, _narrow(dv, DV.dtype.element_ty, INTERPRET), mask=kv_mask)
+    out_mask = tl.trans(kv_mask)
+    dk_ptr = DK + b * sdk_b + g * sdk_h + key[None, :] * sdk_s + d[:, None] * sdk_d
+    tl.store(dk_ptr, _narrow(dk * scale, DK.dtype.element_ty, INTERPRET), mask=out_mask)
+    dv_ptr = DV + b * sdv_b + g * sdv_h + key[None, :] * sdv_s + d[:, None] * sdv_d
+    tl.store(dv_ptr, _narrow(dv, DV.dtype.element_ty, INTERPRET), mask=out_mask)
