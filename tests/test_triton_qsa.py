@@ -27,17 +27,20 @@ import triton.language as tl  # noqa: E402
 
 from contract_base import TOLERANCE, BackendContract, UnroutedRowsIsolated, random_inputs  # noqa: E402
 from runners import run_torch  # noqa: E402
+from union_oracle import assert_unions_equal, flat_unions, tile_unions  # noqa: E402
 from qsa_common.generators import adversarial_routes, random_routes  # noqa: E402
 from qsa_common.layouts import make_problem  # noqa: E402
 from qsa_common.oracle import membership, oracle_forward_backward, relative_error  # noqa: E402
-from qsa_torch import triton_qsa  # noqa: E402
+from qsa_torch import _triton_launch, _triton_unions, triton_qsa  # noqa: E402
+from qsa_torch._triton_autograd import TritonQSA  # noqa: E402
 from qsa_torch.routes import normalize_routes, to_torch_routes  # noqa: E402
 from qsa_torch.triton_qsa import (  # noqa: E402
     BlockSizes,
     build_tile_unions,
-    _split_tile_unions,
     triton_sparse_gqa_attention,
 )
+from qsa_triton import launch as spec  # noqa: E402
+from qsa_triton.plan import KeyPlan, SortStep, flat_union_rows, fold_grid, make_plan, offsets_fit_int32  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -75,8 +78,7 @@ def _fresh_rng() -> np.random.Generator:
 
 def test_kernels_run_here():
     """On CPU the interpreter must be on (else TRITON_INTERPRET was set too late)."""
-    _, interpreted = triton_qsa._load_kernels()
-    assert interpreted or DEVICE == "cuda", "kernels were compiled, not interpreted, on a CPU machine"
+    assert _triton_launch.interpreted() or DEVICE == "cuda", "kernels were compiled, not interpreted, on a CPU machine"
 
 
 class TestTritonContract(UnroutedRowsIsolated, BackendContract):
@@ -126,31 +128,23 @@ def test_float16_qsa_routes():
     _check_against_oracle(problem.routes, problem.kv_length, (4, 1), 32, "float16", SMALL, rng)
 
 
-def _to_cpu(unions):
-    return triton_qsa.TileUnions(unions.union.cpu(), unions.count.cpu(), unions.rowbits.cpu(),
-                                 unions.rows_per_tile)
+def _numpy(unions):
+    return tuple(x.cpu().numpy() for x in (unions.union, unions.count, unions.rowbits))
 
 
-def _brute_force_unions(routes: np.ndarray, kv_length: int, rows_per_tile: int):
-    """Per (batch, tile): the sorted set of valid IDs and, per ID, the bitmask of rows."""
-    member = membership(routes, kv_length)  # [B, S_q, S_kv]
-    b, s_q, _ = member.shape
-    n_tiles = -(-s_q // rows_per_tile)
-    result = {}
-    for bi in range(b):
-        for tile in range(n_tiles):
-            rows = member[bi, tile * rows_per_tile:(tile + 1) * rows_per_tile]
-            ids = np.nonzero(rows.any(0))[0]
-            bits = [sum(1 << t for t in range(rows.shape[0]) if rows[t, i]) for i in ids]
-            result[bi, tile] = (ids, bits)
-    return result
+def _union_routes(rng, kv_length: int, width: int, s_q: int) -> np.ndarray:
+    """Two batch rows: adversarial routes (padding, duplicates, huge IDs, empty rows)
+    and random ones, every row routed."""
+    return np.stack([
+        np.resize(adversarial_routes(kv_length, width=width, rng=rng), (s_q, width)),
+        rng.integers(0, kv_length, size=(s_q, width)),
+    ])
 
 
-@pytest.mark.parametrize("triton_unions", [True, False], ids=["triton", "torch"])
 @pytest.mark.parametrize("rows_per_tile", [1, 4, 32])
-def test_tile_unions_match_brute_force(monkeypatch, rows_per_tile, triton_unions):
-    """Both implementations of the steps after the sort (Triton kernel, torch ops)."""
-    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "triton_unions", triton_unions)
+def test_tile_unions_match_the_oracle(rows_per_tile):
+    """The union kernels' tile unions, element for element (the -1 and 0 padding past
+    each count included), for raw, canonical and strided routes."""
     rng = _fresh_rng()
     kv_length, width = 50, 9
     routes = np.concatenate([
@@ -158,27 +152,16 @@ def test_tile_unions_match_brute_force(monkeypatch, rows_per_tile, triton_unions
         random_routes(kv_length, width=width, rng=rng, causal=False)[None, :45],
     ])
     raw = torch.from_numpy(routes).to(DEVICE)
-    unions = _to_cpu(build_tile_unions(raw, kv_length, rows_per_tile))
+    want = tile_unions(routes, kv_length, rows_per_tile)
+    assert_unions_equal(_numpy(build_tile_unions(raw, kv_length, rows_per_tile)), want, "raw")
     # canonical routes (the references' form) and a strided view give the same unions
-    canonical = _to_cpu(build_tile_unions(normalize_routes(raw, kv_length), kv_length, rows_per_tile))
+    canonical = build_tile_unions(normalize_routes(raw, kv_length), kv_length, rows_per_tile)
+    assert_unions_equal(_numpy(canonical), want, "canonical")
     strided_view = raw.repeat_interleave(2, dim=2)[..., ::2]
     assert not strided_view.is_contiguous()
-    strided = _to_cpu(build_tile_unions(strided_view, kv_length, rows_per_tile))
-    for other in (canonical, strided):
-        assert torch.equal(other.union, unions.union) and torch.equal(other.count, unions.count)
-        assert torch.equal(other.rowbits, unions.rowbits)
-    expect = _brute_force_unions(routes, kv_length, rows_per_tile)
-    n_tiles = -(-45 // rows_per_tile)
-    union_width = min(rows_per_tile * width, kv_length)
-    assert unions.union.shape == unions.rowbits.shape == (2, n_tiles, union_width)
-    assert unions.count.shape == (2, n_tiles) and unions.union.dtype == torch.int32
-    for (bi, tile), (ids, bits) in expect.items():
-        n = int(unions.count[bi, tile])
-        assert n == len(ids)
-        assert unions.union[bi, tile, :n].tolist() == ids.tolist()
-        assert np.all(unions.union[bi, tile, n:].numpy() == -1)
-        got_bits = unions.rowbits[bi, tile, :n].numpy().astype(np.int64) & 0xFFFFFFFF
-        assert got_bits.tolist() == bits
+    assert_unions_equal(_numpy(build_tile_unions(strided_view, kv_length, rows_per_tile)), want, "strided")
+    if rows_per_tile == 32:
+        assert (want[2] < 0).any(), "row 31's bit (int32's sign) should be set somewhere"
 
 
 def test_tile_unions_with_wide_keys():
@@ -189,16 +172,9 @@ def test_tile_unions_with_wide_keys():
     routes[0, 3] = routes[0, 2]  # two identical rows
     routes[0, 5, 1] = routes[0, 5, 0]  # a repeated ID within a row
     routes[0, 7, :3] = kv_length - 1
-    unions = _to_cpu(build_tile_unions(torch.from_numpy(routes).to(DEVICE), kv_length, 32))
-    valid = (routes >= 0) & (routes < kv_length)
-    for tile in range(3):
-        rows = slice(32 * tile, 32 * tile + 32)
-        ids = np.unique(routes[0, rows][valid[0, rows]])
-        n = int(unions.count[0, tile])
-        assert unions.union[0, tile, :n].tolist() == ids.tolist()
-        block = routes[0, rows]
-        bits = [sum(1 << t for t in range(block.shape[0]) if x in block[t]) for x in ids]
-        assert (unions.rowbits[0, tile, :n].numpy().astype(np.int64) & 0xFFFFFFFF).tolist() == bits
+    assert KeyPlan.make(3, 32, 6, kv_length).dtype == "int64"
+    unions = build_tile_unions(torch.from_numpy(routes).to(DEVICE), kv_length, 32)
+    assert_unions_equal(_numpy(unions), tile_unions(routes, kv_length, 32))
 
 
 def test_atomic_chunk_adds_are_exact_in_interpreter():
@@ -220,17 +196,26 @@ def test_atomic_chunk_adds_are_exact_in_interpreter():
 
 
 def test_poisoned_outputs_are_fully_overwritten(monkeypatch):
-    """Output, LSE and dq buffers start as NaN: every element must be written."""
+    """Every buffer a kernel writes (out, LSE, dq, sort keys, unions, counts, row bits of
+    cut unions) starts poisoned (NaN, or a huge int): every element must be written."""
     def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        fill = float("nan") if dtype.is_floating_point else -123456789
+        return torch.full(shape, fill, dtype=dtype, device=device)
 
-    monkeypatch.setattr(triton_qsa, "_new_buffer", poisoned)
+    monkeypatch.setattr(_triton_launch, "new_buffer", poisoned)
     rng = _fresh_rng()
-    # 37 rows: the last tile is partial; (6, 2) pads 3 heads to 4
+    # 37 rows: the last 8-row tile is partial; (6, 2) pads 3 heads to 4; the backward's
+    # tiles of 4 rows are cut from the forward's
     routes = adversarial_routes(37, width=8, rng=rng)[None]
-    got = _check_against_oracle(routes, 37, (6, 2), 16, "float32", SMALL, rng)
+    blocks = dataclasses.replace(SMALL, block_m=32, backward_rows_per_tile=4)
+    assert (make_plan(3, 16, blocks).rows_per_tile, make_plan(3, 16, blocks).backward_rows) == (8, 4)
+    got = _check_against_oracle(routes, 37, (6, 2), 16, "float32", blocks, rng)
     empty = ~membership(routes, 37).any(-1)[0]
     assert empty.any() and np.all(got[0][0, empty] == 0.0) and np.all(got[1][0, empty] == 0.0)
+    raw = torch.from_numpy(routes).to(DEVICE)
+    assert_unions_equal(_numpy(build_tile_unions(raw, 37, 8)), tile_unions(routes, 37, 8))
+    split = _triton_unions.split_tile_unions(build_tile_unions(raw, 37, 8), 4, 8, 37)
+    assert_unions_equal(_numpy(split), tile_unions(routes, 37, 4))
 
 
 def test_all_rows_empty():
@@ -312,21 +297,21 @@ def test_bad_input_raises_contract_errors():
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    kernels, _ = triton_qsa._load_kernels()
-    monkeypatch.setattr(triton_qsa, "_load_kernels", lambda: (kernels, False))
+    monkeypatch.setattr(_triton_launch, "interpreted", lambda: False)
     with pytest.raises(ValueError, match="CUDA"):
         triton_sparse_gqa_attention(*_small_tensors(device="cpu"))
 
 
 def test_missing_triton_raises_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.delitem(sys.modules, "qsa_torch._triton_kernels")
-    triton_qsa._load_kernels.cache_clear()
+    for name in ("forward", "backward", "union_keys", "union_merge", "union_cut"):
+        monkeypatch.delitem(sys.modules, f"qsa_triton.{name}", raising=False)
+    _triton_launch.interpreted.cache_clear()
     try:
         with pytest.raises(ImportError, match="triton"):
             triton_sparse_gqa_attention(*_small_tensors())
     finally:
-        triton_qsa._load_kernels.cache_clear()
+        _triton_launch.interpreted.cache_clear()
 
 
 def test_deterministic_backward_is_refused():
@@ -349,35 +334,46 @@ def test_deterministic_backward_is_refused():
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
-def test_grid_axis_limit_is_a_clear_error(monkeypatch):
-    """batch * KV heads * head chunks goes on CUDA grid axis y (at most 65535): past it
-    the backend refuses with ValueError instead of a launch failure."""
-    monkeypatch.setattr(triton_qsa, "_MAX_GRID_Y", 3)
-    q = torch.randn(2, 8, 4, 16, device=DEVICE)
-    kv = torch.randn(2, 8, 2, 16, device=DEVICE)
-    routes = torch.zeros(2, 8, 3, dtype=torch.int64, device=DEVICE)
-    with pytest.raises(ValueError, match="grid axis y"):
-        triton_sparse_gqa_attention(q, kv, kv, routes)
-    monkeypatch.setattr(triton_qsa, "_MAX_GRID_Y", 4)
-    assert triton_sparse_gqa_attention(q, kv, kv, routes).shape == q.shape
+def _run_plan(plan, q, k, v, routes, scale, do):
+    """out, dq, dk, dv (float64 numpy) of the kernels under an explicit ``plan``."""
+    leaves = [torch.tensor(x, dtype=torch.float32, device=DEVICE, requires_grad=True) for x in (q, k, v)]
+    r = torch.from_numpy(routes).to(DEVICE)
+    unions = _triton_unions.build_unions(r, k.shape[1], plan)
+    out = TritonQSA.apply(*leaves, unions.union, unions.count, unions.rowbits, scale, plan, routes.shape[2])
+    out.backward(torch.tensor(do, dtype=torch.float32, device=DEVICE))
+    return tuple(t.detach().double().cpu().numpy() for t in (out, *(x.grad for x in leaves)))
 
 
-def test_skip_dkdv_measurement_hook():
-    """The probe's hook masks every dK/dV add off at run time: dk/dv stay zero and dq
-    is the same as with the adds."""
-    torch.manual_seed(0)
-    q, do = torch.randn(2, 2, 9, 4, 16, device=DEVICE).unbind(0)
-    k, v = torch.randn(2, 2, 11, 2, 16, device=DEVICE).unbind(0)
-    routes = torch.randint(-2, 13, (2, 9, 5), device=DEVICE)
-    plan = triton_qsa._make_plan(2, 16, BlockSizes(block_m=16, block_k=16, backward_block_m=16,
-                                                   backward_block_k=16))
-    unions = build_tile_unions(routes, 11, plan.rows_per_tile)
-    out, lse = triton_qsa._forward(q, k, v, unions, 0.25, plan)
-    dq, dk, dv = triton_qsa._backward(q, k, v, out, lse, do, unions, 0.25, plan, 5)
-    dq_skip, dk_skip, dv_skip = triton_qsa._backward(q, k, v, out, lse, do, unions, 0.25, plan, 5,
-                                                     skip_dkdv=True)
-    assert dk.abs().sum() > 0 and dv.abs().sum() > 0
-    assert torch.equal(dq_skip, dq) and not dk_skip.any() and not dv_skip.any()
+def test_fold_grid():
+    assert fold_grid(7, 5, 65535) == ((7, 5), 1)  # within the limit: the grid as it was
+    assert fold_grid(7, 5, 2) == ((21, 2), 3)  # 6 slots along y, the last dead
+    assert fold_grid(3, 200_000) == ((12, 50_000), 4)
+    with pytest.raises(ValueError):
+        fold_grid(2**30, 200_000)
+
+
+def test_folded_grids_against_the_oracle():
+    """With the grid's y limit lowered to 2, every launch folds (forward and backward:
+    batch * KV heads = 5 programs along y, fold 3, one dead slot; the key kernel's 3
+    chunks per tile; the cut kernel's 5 batch rows): the results equal the unfolded
+    launches' bit for bit (out, dq) and match the oracle."""
+    rng = _fresh_rng()
+    bsz, s_q, kv_length, width = 5, 20, 24, 140  # 16 rows x 140 routes: 3 key chunks per tile
+    routes = rng.integers(-2, kv_length + 3, size=(bsz, s_q, width))
+    routes[1, 3] = -1
+    blocks = BlockSizes(block_m=32, block_k=16, num_warps=1, num_stages=1, backward_block_m=16,
+                        backward_block_k=16, backward_num_warps=1, backward_num_stages=1,
+                        backward_rows_per_tile=8)
+    q, k, v, do = random_inputs(rng, routes, kv_length, (2, 1), 16, "float32")
+    folded = make_plan(2, 16, blocks, max_grid_y=2)
+    assert folded.backward_rows < folded.rows_per_tile  # the backward's unions are cut
+    got = _run_plan(folded, q, k, v, routes, 0.3, do)
+    plain = _run_plan(make_plan(2, 16, blocks), q, k, v, routes, 0.3, do)
+    want = oracle_forward_backward(q, k, v, routes, 0.3, do)
+    for name, g, p, w in zip(("out", "dq", "dk", "dv"), got, plain, want):
+        assert relative_error(g, w) < 1e-5, name
+        if name in ("out", "dq"):
+            np.testing.assert_array_equal(g, p, err_msg=name)
 
 
 def test_tile_unions_validate_their_inputs():
@@ -404,7 +400,7 @@ def test_flattened_heads_against_the_oracle(heads, layout, family):
     problem = make_problem(layout, family, seed=int(rng.integers(2**31)), seq_len=26,
                            **(dict(top_k=3) if family == "qsa" else dict(width=7)))
     blocks = dataclasses.replace(SMALL, block_m=32, flatten_heads=True)
-    plan = triton_qsa._make_plan(heads[0] // heads[1], 16, blocks)
+    plan = make_plan(heads[0] // heads[1], 16, blocks)
     assert plan.flat and plan.fwd_heads == 32
     got = _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks, rng, 0.3)
     empty = ~membership(problem.routes, problem.kv_length).any(-1)
@@ -419,9 +415,9 @@ def test_flat_programs_sorted_per_program_against_the_oracle(heads):
     rng = _fresh_rng()
     problem = make_problem("padded", "adversarial", seed=int(rng.integers(2**31)), seq_len=45, width=7)
     blocks = dataclasses.replace(SMALL, block_m=64, flatten_heads=True)
-    plan = triton_qsa._make_plan(heads[0] // heads[1], 16, blocks)
+    plan = make_plan(heads[0] // heads[1], 16, blocks)
     assert plan.flat and plan.rows_per_tile == 32
-    assert triton_qsa._flat_union_rows(plan.group, plan.fwd_heads, plan.rows_per_tile) is None
+    assert flat_union_rows(plan.group, plan.fwd_heads, plan.rows_per_tile) is None
     _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks, rng, 0.3)
 
 
@@ -447,31 +443,56 @@ def test_residual_form_with_a_flat_default(monkeypatch):
         assert relative_error(got.cpu().double().numpy(), ref) < 1e-5, name
 
 
-@pytest.mark.parametrize("path", ["cut_from_tiles", "sorted_per_program", "torch"])
-def test_flat_unions_match_brute_force(monkeypatch, path):
-    """Every way build_flat_unions has (tile unions cut into programs, each program's
-    rows sorted by the key kernel, torch ops) gives each program's exact union."""
-    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "triton_unions", path != "torch")
-    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "flat_unions_from_tiles", path == "cut_from_tiles")
-    rng = _fresh_rng()
-    s_q, kv_length, group = 23, 30, 12
-    routes = rng.integers(-3, kv_length + 3, size=(2, s_q, 5))
+def _flat_routes(rng, s_q, kv_length, width=5):
+    routes = rng.integers(-3, kv_length + 3, size=(2, s_q, width))
     routes[0, 4, 1] = routes[0, 4, 0]  # a repeated ID in a row
     routes[1, 7, 2] = 2**62 + 5  # huge int64: padding, never wrapped into range
+    return routes
+
+
+def test_flat_unions_match_the_oracle():
+    """build_flat_unions gives each flat program's exact union (programs of 32 pairs at
+    G = 12, spanning up to 4 rows), from non-contiguous int64 routes."""
+    rng = _fresh_rng()
+    s_q, kv_length, group = 23, 30, 12
+    routes = _flat_routes(rng, s_q, kv_length)
     raw = torch.from_numpy(routes.transpose(0, 2, 1).copy()).to(DEVICE).transpose(1, 2)  # non-contiguous
-    plan = triton_qsa._make_plan(group, 16, BlockSizes(block_m=32, flatten_heads=True))
-    unions = _to_cpu(triton_qsa.build_flat_unions(raw, kv_length, plan))
-    n_blocks = -(-s_q * group // 32)
-    assert unions.union.shape[:2] == (2, n_blocks) and unions.rows_per_tile == 4
-    for b in range(2):
-        for p in range(n_blocks):
-            first, last = 32 * p // group, min((32 * p + 31) // group, s_q - 1)
-            rows = routes[b, first:last + 1]
-            ids = np.unique(rows[(rows >= 0) & (rows < kv_length)])
-            n = int(unions.count[b, p])
-            assert unions.union[b, p, :n].tolist() == ids.tolist()
-            want = [sum(1 << t for t in range(len(rows)) if x in rows[t]) for x in ids]
-            assert unions.rowbits[b, p, :n].tolist() == want
+    plan = make_plan(group, 16, BlockSizes(block_m=32, flatten_heads=True))
+    unions = triton_qsa.build_flat_unions(raw, kv_length, plan)
+    assert unions.rows_per_tile == 4
+    assert_unions_equal(_numpy(unions), flat_unions(routes, kv_length, group, 32, 4))
+
+
+@pytest.mark.parametrize("group, pairs, s_q", [
+    (12, 64, 45),  # 192 pairs per 16-row tile = 3 programs of 64
+    (6, 64, 70),  # 192 pairs per 32-row tile, row 31 routed
+    (3, 16, 33),
+])
+def test_flat_unions_cut_from_tiles_equal_unions_sorted_per_program(group, pairs, s_q):
+    """Both recipes of flat unions: cut out of taller tiles (where those hold whole
+    programs; the default) and each program's rows sorted by the key kernel (PAIRS
+    mode; else) give the oracle's unions, element for element."""
+    rng = _fresh_rng()
+    kv_length, width = 50, 7
+    routes = _union_routes(rng, kv_length, width, s_q)
+    raw = torch.from_numpy(routes).to(DEVICE)
+    plan = make_plan(group, 16, BlockSizes(block_m=pairs, flatten_heads=True))
+    assert plan.flat and plan.fwd_heads == pairs
+    want = flat_unions(routes, kv_length, group, pairs, plan.rows_per_tile)
+    _, cut = _recipe(plan, routes, kv_length)
+    assert cut is not None  # the default recipe cuts tile unions
+    assert_unions_equal(_numpy(_triton_unions.build_unions(raw, kv_length, plan)), want, "cut")
+    n_programs = plan.n_tiles(s_q)
+    per_program = SortStep(plan.rows_per_tile, n_programs, cut.width,
+                           KeyPlan.make(2 * n_programs, plan.rows_per_tile, width, kv_length), pairs, group)
+    assert_unions_equal(_numpy(_triton_unions.sorted_unions(raw, kv_length, per_program)), want, "sorted")
+
+
+def _recipe(plan, routes, kv_length):
+    from qsa_triton.plan import union_recipe
+
+    bsz, s_q, k = routes.shape
+    return union_recipe(plan, s_q, k, kv_length, bsz)
 
 
 @pytest.mark.parametrize("rows, sub_rows, s_q, kv_length", [
@@ -479,33 +500,23 @@ def test_flat_unions_match_brute_force(monkeypatch, path):
     (32, 4, 45, 30),  # row 31 (int32's sign bit) routed; both widths capped at S_kv
     (16, 1, 33, 200),
 ])
-@pytest.mark.parametrize("triton_unions", [True, False], ids=["triton", "torch"])
-def test_split_unions_equal_unions_built_at_the_finer_tiling(monkeypatch, rows, sub_rows, s_q, kv_length,
-                                                             triton_unions):
+def test_split_unions_equal_unions_built_at_the_finer_tiling(rows, sub_rows, s_q, kv_length):
     """Cutting T-row unions into T'-row ones gives exactly what a sort at T' gives:
-    the same IDs, counts, row bits and -1 padding (routes with every adversarial ID,
-    every row routed so the top row bit is used), in the Triton kernel and in torch."""
-    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "triton_unions", triton_unions)
+    the oracle's IDs, counts, row bits and -1 / 0 padding."""
     rng = _fresh_rng()
     width = 9
-    routes = np.stack([  # adversarial rows repeated down to s_q rows, and every row routed
-        np.resize(adversarial_routes(kv_length, width=width, rng=rng), (s_q, width)),
-        rng.integers(0, kv_length, size=(s_q, width)),
-    ])
+    routes = _union_routes(rng, kv_length, width, s_q)
     raw = torch.from_numpy(routes).to(DEVICE)
     coarse = build_tile_unions(raw, kv_length, rows)
-    if rows == 32:
-        assert (coarse.rowbits < 0).any(), "row 31's bit (int32's sign) should be set somewhere"
-    want = build_tile_unions(raw, kv_length, sub_rows)
-    got = _split_tile_unions(coarse, sub_rows, width, s_q)
+    got = _triton_unions.split_tile_unions(coarse, sub_rows, width, s_q)
     assert got.rows_per_tile == sub_rows
-    assert torch.equal(got.count, want.count)
-    assert got.union.shape == want.union.shape
-    assert torch.equal(got.union, want.union)
-    assert torch.equal(got.rowbits, want.rowbits)
-    assert _split_tile_unions(coarse, rows, width, s_q) is coarse
+    assert_unions_equal(_numpy(got), tile_unions(routes, kv_length, sub_rows))
+    assert _triton_unions.split_tile_unions(coarse, rows, width, s_q) is coarse
     with pytest.raises(ValueError):
-        _split_tile_unions(coarse, rows * 2, width, s_q)
+        _triton_unions.split_tile_unions(coarse, rows * 2, width, s_q)
+    if rows < coarse.union.shape[2]:  # a K of 1 cannot have made unions this wide
+        with pytest.raises(ValueError, match="top_k"):
+            _triton_unions.split_tile_unions(coarse, sub_rows, 1, s_q)
 
 
 @pytest.mark.parametrize("heads, layout, family", [
@@ -522,7 +533,7 @@ def test_shorter_backward_tiles_against_the_oracle(heads, layout, family):
     blocks = BlockSizes(block_m=128, block_k=16, num_warps=2, num_stages=1, backward_block_m=32,
                         backward_block_k=16, backward_num_warps=2, backward_num_stages=1,
                         backward_rows_per_tile=4)
-    plan = triton_qsa._make_plan(heads[0] // heads[1], 16, blocks)
+    plan = make_plan(heads[0] // heads[1], 16, blocks)
     assert plan.backward_rows < plan.rows_per_tile
     assert plan.backward_rows * plan.bwd_heads >= 16
     _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks, rng, 0.3)
@@ -534,13 +545,20 @@ def test_backward_rows_per_tile_is_validated():
             BlockSizes(backward_rows_per_tile=bad)
 
 
-def test_int64_offsets_against_the_oracle(monkeypatch):
-    """With 32-bit offsets off (what the kernels do when an offset could pass 2**31)
-    they compute the same function; every other test runs the 32-bit path."""
-    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "offs32", False)
+def test_int64_offsets_against_the_oracle():
+    """With 32-bit offsets ruled out (what the kernels do when an offset could pass
+    2**31) they compute the same function; every other test runs the 32-bit path."""
     rng = _fresh_rng()
     problem = make_problem("packed", "adversarial", seed=int(rng.integers(2**31)), seq_len=30, width=7)
-    _check_against_oracle(problem.routes, problem.kv_length, (6, 2), 16, "float32", MEDIUM, rng, 0.3)
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, (6, 2), 16, "float32")
+    plan = make_plan(3, 16, MEDIUM, offset_limit=0)
+    launch = spec.forward_launch(plan, ((1, 30, 6, 16), (1, 1, 1, 1)), ((1, 30, 2, 16), (1, 1, 1, 1)),
+                                 ((1, 30, 2, 16), (1, 1, 1, 1)), (1, 4, 20), 0.3, "float32", interpreted=True)
+    assert dict(launch.params)["OFFS32"] is False
+    got = _run_plan(plan, q, k, v, problem.routes, 0.3, do)
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert relative_error(g, w) < 1e-5, name
 
 
 @pytest.mark.parametrize("layout, family, heads, blocks", [
@@ -548,19 +566,17 @@ def test_int64_offsets_against_the_oracle(monkeypatch):
     ("padded", "qsa", (12, 1), dataclasses.replace(SMALL, block_m=32, flatten_heads=True)),  # flat
     ("cp", "random", (4, 1), SMALL),  # partial last chunk: masked transposed adds
 ])
-def test_lean_backward_against_the_oracle(monkeypatch, layout, family, heads, blocks):
-    """KERNEL_OPTIONS["lean_backward"] (transposed dK/dV products, dQ-store
-    coordinates recomputed) computes the same gradients: against the oracle, and to
-    fp32 rounding against the default backward (the same products; only the order in
-    which the interpreter's matmul sums them may differ)."""
+def test_lean_backward_against_the_oracle(layout, family, heads, blocks):
+    """BlockSizes(lean_backward=True) (transposed dK/dV products, dQ-store coordinates
+    recomputed) computes the same gradients: against the oracle, and to fp32 rounding
+    against the default backward (the same products; only the order in which the
+    interpreter's matmul sums them may differ)."""
     rng = _fresh_rng()
     problem = make_problem(layout, family, seed=int(rng.integers(2**31)), seq_len=30,
                            **(dict(top_k=3) if family == "qsa" else dict(width=7)))
     seed = int(rng.integers(2**31))
-    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "lean_backward", True)
-    lean = _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks,
-                                 np.random.default_rng(seed), 0.3)
-    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "lean_backward", False)
+    lean = _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32",
+                                 dataclasses.replace(blocks, lean_backward=True), np.random.default_rng(seed), 0.3)
     default = _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks,
                                     np.random.default_rng(seed), 0.3)
     assert np.array_equal(lean[0], default[0])  # the forward is untouched
@@ -568,15 +584,11 @@ def test_lean_backward_against_the_oracle(monkeypatch, layout, family, heads, bl
         assert relative_error(a, b) < 1e-6
 
 
-def test_offsets_fit_int32_checks_the_largest_offset(monkeypatch):
-    small = torch.empty(1, 8, 2, 16)
-    assert triton_qsa._offsets_fit_int32((8, small))
-    wide = torch.empty(1, 2**27, 1, 16, device="meta")  # strides (2**31, 16, 16, 1)
-    assert triton_qsa._offsets_fit_int32((2**27, wide))  # (2**27 - 1) * 16 + 15 == 2**31 - 1
-    wider = torch.empty(1, 2**27 + 1, 1, 16, device="meta")
-    assert not triton_qsa._offsets_fit_int32((2**27 + 1, wider))
-    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "offs32", False)
-    assert not triton_qsa._offsets_fit_int32((8, small))
+def test_offsets_fit_int32_checks_the_largest_offset():
+    assert offsets_fit_int32([(8, 32, 16, 1)])
+    assert offsets_fit_int32([(2**27, 16, 16, 1)])  # (2**27 - 1) * 16 + 15 == 2**31 - 1
+    assert not offsets_fit_int32([(8, 32, 16, 1), (2**27 + 1, 16, 16, 1)])
+    assert not offsets_fit_int32([(8, 32, 16, 1)], limit=0)
 
 
 @pytest.mark.parametrize("group, rows, fwd_heads, bwd_rows, bwd_heads", [
@@ -586,7 +598,7 @@ def test_offsets_fit_int32_checks_the_largest_offset(monkeypatch):
     (64, 2, 64, 1, 64),  # a group wider than backward_block_m: 1 row, all heads
 ])
 def test_default_plans(group, rows, fwd_heads, bwd_rows, bwd_heads):
-    plan = triton_qsa._make_plan(group, 256, triton_qsa.DEFAULT_BLOCK_SIZES)
+    plan = make_plan(group, 256, triton_qsa.DEFAULT_BLOCK_SIZES)
     assert (plan.rows_per_tile, plan.fwd_heads, plan.backward_rows, plan.bwd_heads) == (
         rows, fwd_heads, bwd_rows, bwd_heads)
 
@@ -599,6 +611,7 @@ def test_default_plans(group, rows, fwd_heads, bwd_rows, bwd_heads):
     ((9, 0), 232448, 256, torch.float32, False),  # fp32 operands take twice the bytes
     ((9, 0), 232448, 128, torch.bfloat16, False),  # tuned at D = 256 only
     ((9, 0), None, 256, torch.bfloat16, True),  # a torch without the property: capability decides
+    ((12, 0), None, 256, torch.bfloat16, False),
 ])
 def test_default_block_sizes_follow_the_device(monkeypatch, capability, shared_memory, head_dim, dtype, tuned):
     from types import SimpleNamespace
@@ -619,7 +632,7 @@ def test_default_block_sizes_in_interpret_mode():
     second partly past the end)."""
     rng = _fresh_rng()
     problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=20, top_k=5)
-    plan = triton_qsa._make_plan(12, 256, triton_qsa.DEFAULT_BLOCK_SIZES)
+    plan = make_plan(12, 256, triton_qsa.DEFAULT_BLOCK_SIZES)
     assert plan.flat and plan.fwd_heads == plan.bwd_heads == 128
     # on a GPU in the dtype the configuration is for: fp32 tiles of 128 x 256 do not fit
     dtype = "float32" if DEVICE == "cpu" else "bfloat16"
@@ -627,93 +640,47 @@ def test_default_block_sizes_in_interpret_mode():
                           triton_qsa.DEFAULT_BLOCK_SIZES, rng, 0.1)
 
 
-@pytest.mark.parametrize("triton_unions", [True, False], ids=["triton", "torch"])
-@pytest.mark.parametrize("group, rows, pairs, s_q", [
-    (12, 16, 64, 45),  # the H200 shape: 192 pairs per 16-row tile = 3 programs of 64
-    (6, 32, 64, 70),  # 192 pairs per 32-row tile, row 31 routed
-    (3, 16, 16, 33),
-])
-def test_flat_unions_cut_from_tile_unions(monkeypatch, group, rows, pairs, s_q, triton_unions):
-    """Where a tile's rows x G pairs hold whole flat programs, cutting the tile unions
-    gives exactly the unions build_flat_unions sorts for those programs."""
-    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "triton_unions", triton_unions)
-    rng = _fresh_rng()
-    kv_length, width = 50, 7
-    routes = np.stack([
-        np.resize(adversarial_routes(kv_length, width=width, rng=rng), (s_q, width)),
-        rng.integers(0, kv_length, size=(s_q, width)),
-    ])
-    raw = torch.from_numpy(routes).to(DEVICE)
-    plan = triton_qsa._make_plan(group, 16, BlockSizes(block_m=pairs, flatten_heads=True))
-    assert plan.flat and plan.fwd_heads == pairs
-    with monkeypatch.context() as sorted_per_program:
-        sorted_per_program.setitem(triton_qsa.KERNEL_OPTIONS, "flat_unions_from_tiles", False)
-        want = _to_cpu(triton_qsa.build_flat_unions(raw, kv_length, plan))
-    tiles = build_tile_unions(raw, kv_length, rows)
-    got = _to_cpu(triton_qsa._split_flat_unions(tiles, pairs, group, width, s_q, plan.rows_per_tile))
-    assert got.rows_per_tile == want.rows_per_tile
-    assert got.union.shape == want.union.shape
-    assert torch.equal(got.count, want.count)
-    assert torch.equal(got.union, want.union)
-    assert torch.equal(got.rowbits, want.rowbits)
-    with pytest.raises(ValueError, match="whole programs"):
-        triton_qsa._split_flat_unions(build_tile_unions(raw, kv_length, 1), 64, 12, width, s_q, 8)
-
-
-def test_flat_backward_plans():
-    blocks = dataclasses.replace(triton_qsa.DEFAULT_BLOCK_SIZES, flatten_heads=False, backward_flatten_heads=True)
-    plan = triton_qsa._make_plan(12, 256, blocks)  # padded forward tiles of the H200 shape
-    assert (plan.rows_per_tile, plan.fwd_heads, plan.union_rows, plan.bwd_pairs, plan.bwd_span) == (
-        8, 16, 16, 64, 8)
-    plan = triton_qsa._make_plan(6, 256, blocks)  # 16-row tiles, unions of 32 rows
-    assert (plan.rows_per_tile, plan.union_rows, plan.bwd_pairs) == (16, 32, 64)
-    for group in (3, 4):  # no tile of <= 32 rows holds whole 64-pair programs / no padding
-        plan = triton_qsa._make_plan(group, 256, blocks)
-        assert plan.bwd_pairs == 0 and plan.union_rows == 0
-
-
-@pytest.mark.parametrize("heads, layout, family", [
-    ((12, 1), "packed", "qsa"),
-    ((24, 2), "padded", "adversarial"),
-    ((6, 2), "cp", "random"),
-])
-def test_flat_backward_against_the_oracle(heads, layout, family):
-    """backward_flatten_heads: padded forward tiles cut from taller unions, flat backward
-    programs cut from the same unions; out and every gradient match the oracle and
-    empty rows stay exact zeros."""
-    rng = _fresh_rng()
-    problem = make_problem(layout, family, seed=int(rng.integers(2**31)), seq_len=42,
-                           **(dict(top_k=3) if family == "qsa" else dict(width=7)))
-    blocks = BlockSizes(block_m=64, block_k=16, num_warps=2, num_stages=1, backward_block_m=32,
-                        backward_block_k=16, backward_num_warps=2, backward_num_stages=1,
-                        backward_flatten_heads=True)
-    plan = triton_qsa._make_plan(heads[0] // heads[1], 16, blocks)
-    assert plan.bwd_pairs == 32 and plan.union_rows > plan.rows_per_tile
-    got = _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks, rng, 0.3)
-    empty = ~membership(problem.routes, problem.kv_length).any(-1)
-    assert np.all(got[0][empty] == 0) and np.all(got[1][empty] == 0)
-
-
-@pytest.mark.parametrize("triton_unions", [True, False], ids=["triton", "torch"])
-def test_tile_unions_over_several_sorts(monkeypatch, triton_unions):
-    """Keys of 29 bits leave room for 4 tiles per int32 sort: with the minimum lowered
-    to 4, 10 one-row tiles take three sorts; the unions are still every row's sorted
-    distinct IDs (at 256, the default minimum, they take one int64 sort)."""
-    monkeypatch.setitem(triton_qsa.KERNEL_OPTIONS, "triton_unions", triton_unions)
+def test_tile_unions_over_several_sorts():
+    """Keys of 28 bits leave room for 8 tiles per int32 sort: with the minimum lowered
+    to 4, 10 one-row tiles take two sorts (one partial); the unions are still every
+    row's sorted distinct IDs (at 256, the default minimum, they take one int64 sort)."""
     rng = _fresh_rng()
     kv_length = 2**28 - 3
     routes = rng.integers(-2, kv_length + 2, size=(1, 10, 4))
     routes[0, 7, 1] = routes[0, 7, 0]
     routes[0, 3, :] = kv_length - 1
     raw = torch.from_numpy(routes).to(DEVICE)
-    once = _to_cpu(build_tile_unions(raw, kv_length, 1))
-    monkeypatch.setattr(triton_qsa, "_MIN_GROUPS_PER_SORT", 4)
-    unions = _to_cpu(build_tile_unions(raw, kv_length, 1))
-    for row in range(10):
-        ids = np.unique(routes[0, row][(routes[0, row] >= 0) & (routes[0, row] < kv_length)])
-        n = int(unions.count[0, row])
-        assert unions.union[0, row, :n].tolist() == ids.tolist()
-        assert np.all(unions.rowbits[0, row, :n].numpy() == 1)
-        assert np.all(unions.union[0, row, n:].numpy() == -1)
-    for a, b in zip((once.union, once.count, once.rowbits), (unions.union, unions.count, unions.rowbits)):
-        assert torch.equal(a, b)
+    assert KeyPlan.make(10, 1, 4, kv_length).dtype == "int64"
+    keys = KeyPlan.make(10, 1, 4, kv_length, min_groups=4)
+    assert (keys.dtype, keys.per_sort) == ("int32", 8)
+    step = SortStep(1, 10, 4, keys)
+    want = tile_unions(routes, kv_length, 1)
+    assert_unions_equal(_numpy(_triton_unions.sorted_unions(raw, kv_length, step)), want, "two sorts")
+    assert_unions_equal(_numpy(build_tile_unions(raw, kv_length, 1)), want, "one sort")
+
+
+def test_launches_name_every_kernel_argument():
+    """Each launch description passes exactly the kernel's parameters, in its signature
+    order (inputs, fp32 scalars, outputs, then the rest), which jax_triton's positional
+    calling convention needs; keyword passing makes torch indifferent to the order."""
+    plan = make_plan(12, 256, triton_qsa.DEFAULT_BLOCK_SIZES)
+    q = ((2, 40, 12, 256), spec.contiguous_strides((2, 40, 12, 256)))
+    kv = ((2, 40, 1, 256), spec.contiguous_strides((2, 40, 1, 256)))
+    routes = ((2, 40, 20), spec.contiguous_strides((2, 40, 20)))
+    step, cut = _recipe(plan, np.zeros((2, 40, 20)), 40)
+    union_shape = (2, cut.n_sub, cut.width)
+    launches = [
+        spec.forward_launch(plan, q, kv, kv, union_shape, 0.0625, "bfloat16", interpreted=False),
+        spec.backward_launch(plan, q, kv, kv, q, q, union_shape, 0.0625, "bfloat16", interpreted=False),
+        spec.keys_launch(step, routes, 40, 65535),
+        spec.merge_launch(step, 2, 20, interpreted=False),
+        spec.cut_launch(cut, (2, step.n_groups, step.width), 65535, interpreted=False),
+    ]
+    for launch in launches:
+        assert launch.arg_names() == tuple(spec.kernel(launch.kernel).arg_names), launch.kernel
+    forward = dict(launches[0].params)
+    assert launches[0].grid == (plan.n_tiles(40), 2) and forward["FOLD"] == 1
+    assert (forward["T"], forward["HB"], forward["BLOCK_K"], forward["FLAT"]) == (1, 128, 64, True)
+    assert (launches[0].num_warps, launches[0].num_stages) == (8, 3)
+    # the fp32 scalars are rounded once, on the host, identically for every launcher
+    assert launches[0].scalars == (("scale_log2", float(np.float32(0.0625 * spec.LOG2E))),)

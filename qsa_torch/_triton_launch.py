@@ -1,0 +1,124 @@
+"""Launching the ``qsa_triton`` kernels through torch: one call site for every kernel.
+
+A :class:`qsa_triton.launch.Launch` says what to pass; :func:`run` allocates its outputs
+(zeroed ones with zeros, the others uninitialised: the kernels write every element, and
+tests poison them through :func:`new_buffer`) and launches the kernel with every
+argument by keyword, on the tensors' CUDA device. :func:`forward` and :func:`backward`
+add the retry on a configuration that needs more shared memory than the device has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from qsa_triton import launch as spec
+from qsa_triton.plan import Plan
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "int32": torch.int32, "int64": torch.int64}
+
+# (kernel, plan, dtype, head dim, 32-bit offsets, device) -> the attempt that fit the device
+_LAUNCH_FALLBACKS: dict[tuple, spec.Attempt] = {}
+
+
+@functools.cache
+def interpreted() -> bool:
+    """Import triton and the kernels once; whether Triton's interpreter runs them.
+
+    Raises:
+        ImportError: triton is not installed.
+    """
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - exercised where triton is absent
+        raise ImportError("the Triton QSA backend needs the 'triton' package (pip install triton)") from exc
+    return spec.interpreted()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialised memory a kernel overwrites completely (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _on_device(device: torch.device):
+    """Triton launches on the current CUDA device: make it ``device``."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def run(launch: spec.Launch, arrays: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Launch ``launch`` on ``arrays`` (its inputs by name); returns its outputs by name."""
+    outputs = {}
+    for out in launch.outputs:
+        make = torch.zeros if out.zeroed else new_buffer
+        outputs[out.name] = make(out.shape, dtype=_TORCH_DTYPES[out.dtype], device=device)
+    kernel = spec.kernel(launch.kernel)
+    with _on_device(device):
+        kernel[launch.grid](**{name: arrays[name] for name in launch.inputs}, **dict(launch.scalars), **outputs,
+                            **dict(launch.params), num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return outputs
+
+
+def _run_fitting(build, plan: Plan, backward: bool, arrays, device: torch.device):
+    """Run the launch ``build(attempt)`` describes, the plan's own attempt first; where a
+    configuration needs more shared memory than the device has (Triton raises
+    OutOfResources when loading it), the next of :func:`qsa_triton.launch.attempts`. The
+    working attempt is remembered, so a failing compile is not repeated."""
+    options = spec.attempts(plan, backward)
+    first = build(options[0])
+    params = dict(first.params)
+    key = (first.kernel, plan, first.outputs[0].dtype, params["D"], params["OFFS32"], str(device))
+    if key in _LAUNCH_FALLBACKS:
+        options = [_LAUNCH_FALLBACKS[key]]
+    for i, attempt in enumerate(options):
+        try:
+            result = run(build(attempt), arrays, device)
+        except Exception as exc:  # triton.runtime.errors.OutOfResources (triton is imported lazily)
+            if type(exc).__name__ != "OutOfResources" or i == len(options) - 1:
+                raise
+            continue
+        _LAUNCH_FALLBACKS[key] = attempt
+        return result
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _operand(t: torch.Tensor) -> spec.Operand:
+    return tuple(t.shape), tuple(t.stride())
+
+
+def forward(q, k, v, unions, scale: float, plan: Plan):
+    """Forward kernel over the forward's unions (``TileUnions``): out ``[B,S_q,Hq,D]``
+    (q's dtype) and the natural-log LSE ``[B,Hq,S_q]`` fp32."""
+    interpret = interpreted()
+    dtype = dtype_name(q.dtype)
+
+    def build(attempt):
+        return spec.forward_launch(plan, _operand(q), _operand(k), _operand(v), tuple(unions.union.shape), scale,
+                                   dtype, interpreted=interpret, attempt=attempt)
+
+    arrays = dict(Q=q, K=k, V=v, UNION=unions.union, COUNT=unions.count, ROWBITS=unions.rowbits)
+    outputs = _run_fitting(build, plan, False, arrays, q.device)
+    return outputs["O"], outputs["LSE"]
+
+
+def backward(q, k, v, out, lse, grad_out, unions, scale: float, plan: Plan):
+    """Backward kernel over the backward's unions: dq (q's dtype) and dk, dv (k's dtype)
+    from fp32 atomic accumulators."""
+    interpret = interpreted()
+    dtype = dtype_name(q.dtype)
+
+    def build(attempt):
+        return spec.backward_launch(plan, _operand(q), _operand(k), _operand(v), _operand(out), _operand(grad_out),
+                                    tuple(unions.union.shape), scale, dtype, interpreted=interpret,
+                                    attempt=attempt)
+
+    arrays = dict(Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse.contiguous(), UNION=unions.union, COUNT=unions.count,
+                  ROWBITS=unions.rowbits)
+    outputs = _run_fitting(build, plan, True, arrays, q.device)
+    return outputs["DQ"], outputs["DK"].to(k.dtype), outputs["DV"].to(v.dtype)

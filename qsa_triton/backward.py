@@ -1,0 +1,132 @@
+"""Fused backward kernel: dQ kept in registers (written once), dK/dV by fp32 atomics.
+
+Programs are laid out as the forward's (``forward.py``), over the backward's tiles. Each
+union chunk adds its [BLOCK_K, D] dK and dV blocks to fp32 accumulators as soon as they
+are computed (IDs within a chunk are distinct, so a chunk never adds to one address
+twice); the order in which programs add is the GPU's, so dK/dV are not bitwise
+reproducible from run to run.
+
+Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
+scalars, outputs, then integers and constexprs (by keyword).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .language import LOG2E_C, SUM, cast, gather_chunk, mm, pair_coordinates, program_tile, program_xy
+
+
+@triton.jit
+def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq, union, rowbits,
+                   k_base, v_base, dk_base, dv_base, sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2,
+                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                   EVEN_D: tl.constexpr, OFFS32: tl.constexpr, LEAN_REGISTERS: tl.constexpr):
+    """dQ update and the chunk's dK/dV atomic adds; returns the new dQ (unscaled)."""
+    rows, kv_mask, k, v, member = gather_chunk(
+        start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s, sv_d, d, d_ok, t, row_ok, BLOCK_K,
+        EVEN_D, OFFS32)
+    s = mm(q, tl.trans(k), IEEE) * scale_log2
+    p = tl.where(member, tl.exp2(s - lse_log2[:, None]), 0.0)
+    dp = mm(do, tl.trans(v), IEEE)
+    ds = p * (dp - delta[:, None])
+    dq += mm(cast(ds, k.dtype, INTERPRET), k, IEEE)
+    # rows past count carry zeros and are masked: they add nothing. Each [BLOCK_K, D]
+    # block is added as soon as it is computed, so only one of them holds registers.
+    if LEAN_REGISTERS:
+        # dV^T = dO^T P and dK^T = Q^T dS: both wgmma operands can come from shared
+        # memory (no [BLOCK_K, D] 16-bit operand held in registers). The same products
+        # summed in the same order; the adds stay 4-wide along D.
+        acc_off_t = rows[None, :] * sdk_s + d[:, None]
+        kv_mask_t = tl.trans(kv_mask)
+        dv_t = mm(tl.trans(do), cast(p, do.dtype, INTERPRET), IEEE)
+        tl.atomic_add(dv_base + acc_off_t, dv_t, mask=kv_mask_t, sem="relaxed")
+        dk_t = mm(tl.trans(q), cast(ds, q.dtype, INTERPRET), IEEE) * scale
+        tl.atomic_add(dk_base + acc_off_t, dk_t, mask=kv_mask_t, sem="relaxed")
+    else:
+        acc_off = rows[:, None] * sdk_s + d[None, :]
+        dv_blk = mm(tl.trans(cast(p, do.dtype, INTERPRET)), do, IEEE)
+        tl.atomic_add(dv_base + acc_off, dv_blk, mask=kv_mask, sem="relaxed")
+        dk_blk = mm(tl.trans(cast(ds, q.dtype, INTERPRET)), q, IEEE) * scale
+        tl.atomic_add(dk_base + acc_off, dk_blk, mask=kv_mask, sem="relaxed")
+    return dq
+
+
+@triton.jit
+def qsa_backward_kernel(
+    Q, K, V, O, DO, LSE, UNION, COUNT, ROWBITS,
+    scale, scale_log2,
+    DQ, DK, DV,
+    sq_b, sq_s, sq_h, sq_d,
+    sk_b, sk_s, sk_h, sk_d,
+    sv_b, sv_s, sv_h, sv_d,
+    so_b, so_s, so_h, so_d,
+    sdo_b, sdo_s, sdo_h, sdo_d,
+    sl_b, sl_h, sl_s,
+    sdq_b, sdq_s, sdq_h, sdq_d,
+    sdk_b, sdk_s, sdk_h,
+    B, S_q, N_TILES, UNION_WIDTH, HKV, G, D, N_CHUNKS,
+    T: tl.constexpr, HB: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRET: tl.constexpr, FLAT: tl.constexpr, EVEN_D: tl.constexpr,
+    OFFS32: tl.constexpr, LEAN_REGISTERS: tl.constexpr, FOLD: tl.constexpr,
+):
+    """Writes DQ (Q's dtype) and adds into DK/DV, fp32 [B, S_kv, Hkv, D] accumulators
+    (last stride 1, DV with DK's strides) that must be zero on entry.
+
+    O and LSE are the forward's; DO the output's gradient; the unions those of the
+    backward's tiles. ``scale`` is the softmax scale and ``scale_log2`` = scale * log2(e),
+    both fp32. ``LEAN_REGISTERS``: the same results with less register pressure
+    (transposed dK/dV products, dQ-store coordinates recomputed after the loop).
+    """
+    tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask, count = program_tile(
+        COUNT, B, S_q, N_TILES, HKV, G, D, N_CHUNKS, HB, T, D_PAD, FLAT, FOLD)
+
+    q = tl.load(Q + b64 * sq_b + row64[:, None] * sq_s + head[:, None] * sq_h + d[None, :] * sq_d,
+                mask=io_mask, other=0.0)
+    do = tl.load(DO + b64 * sdo_b + row64[:, None] * sdo_s + head[:, None] * sdo_h
+                 + d[None, :] * sdo_d, mask=io_mask, other=0.0)
+    o = tl.load(O + b64 * so_b + row64[:, None] * so_s + head[:, None] * so_h + d[None, :] * so_d,
+                mask=io_mask, other=0.0)
+    delta = tl.reduce(do.to(tl.float32) * o.to(tl.float32), 1, SUM)
+    lse = tl.load(LSE + b64 * sl_b + head * sl_h + row64 * sl_s, mask=row_ok, other=float("inf"))
+    lse_log2 = lse * LOG2E_C
+
+    tile_base = (b64 * N_TILES + tile) * UNION_WIDTH
+    k_base = K + b64 * sk_b + g64 * sk_h
+    v_base = V + b64 * sv_b + g64 * sv_h
+    dk_base = DK + b64 * sdk_b + g64 * sdk_h
+    dv_base = DV + b64 * sdk_b + g64 * sdk_h
+
+    dq = tl.full([T * HB, D_PAD], 0.0, tl.float32)
+    if INTERPRET:
+        start = 0
+        while start < count:
+            dq = _backward_step(
+                start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
+                UNION + tile_base, ROWBITS + tile_base, k_base, v_base, dk_base, dv_base,
+                sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, BLOCK_K, IEEE, INTERPRET,
+                EVEN_D, OFFS32, LEAN_REGISTERS)
+            start += BLOCK_K
+    else:
+        # Ascending IDs in every program: programs of neighbouring tiles run together over
+        # nearly the same IDs, so their dK/dV adds hit rows already in L2.
+        for start in range(0, count, BLOCK_K):
+            dq = _backward_step(
+                start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
+                UNION + tile_base, ROWBITS + tile_base, k_base, v_base, dk_base, dv_base,
+                sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, BLOCK_K, IEEE, INTERPRET,
+                EVEN_D, OFFS32, LEAN_REGISTERS)
+
+    if LEAN_REGISTERS:
+        # the store's per-row coordinates again, from a tile the compiler cannot prove
+        # equal to the prologue's (count is never negative), so the prologue's int64
+        # offsets and masks are not held (spilled) across the loop
+        tile, pid, live = program_xy(N_TILES, B * HKV * N_CHUNKS, FOLD)
+        _, head, row64, row_ok = pair_coordinates(tl.where(count < 0, 0, tile), pid, S_q, HKV, G, HB, T,
+                                                  N_CHUNKS, FLAT)
+        if FOLD > 1:
+            row_ok = tl.where(live, row_ok, False)
+        io_mask = row_ok[:, None] & d_ok[None, :]
+    dq_ptr = DQ + b64 * sdq_b + row64[:, None] * sdq_s + head[:, None] * sdq_h + d[None, :] * sdq_d
+    tl.store(dq_ptr, cast(dq * scale, DQ.dtype.element_ty, INTERPRET), mask=io_mask)

@@ -1,0 +1,185 @@
+"""``@triton.jit`` helpers shared by the token-gather kernels.
+
+Rules every kernel here follows:
+
+* Reductions go through the builtin ``tl.reduce`` with the standard library's combine
+  functions (no ``tl.sum`` / ``tl.max`` / ``tl.zeros``): those are jitted helpers, which
+  break the interpreter when triton was imported before ``TRITON_INTERPRET`` was set,
+  while the builtin with the standard combine functions runs there as a numpy reduction.
+* ``INTERPRET`` (constexpr) selects interpreter-safe forms: while-loops over runtime
+  bounds, round-to-nearest bf16 casts, fp32 dots (``IEEE``).
+* ``FOLD`` (constexpr) is the launch grid's fold (:func:`qsa_triton.plan.fold_grid`):
+  with FOLD == 1 a program's coordinates are its program ids, unchanged.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # host-side float
+# kernels may only read globals that are constexpr (or jitted functions)
+LOG2E_C = tl.constexpr(1.4426950408889634)
+LN2_C = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def mm(a, b, IEEE: tl.constexpr):
+    """fp32-accumulated a @ b; exact fp32 products (no TF32) for fp32 inputs.
+
+    ``IEEE`` is set for fp32 inputs and in the interpreter, whose dot multiplies the
+    raw bits of bf16 operands: there both operands are widened to fp32 first.
+    """
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+SUM = getattr(tl.standard, "_sum_combine", _add)
+MAX = getattr(tl.standard, "_elementwise_max", _maximum)
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """Round-to-nearest-even downcast of fp32 ``x``. The interpreter truncates
+    fp32 -> bf16 casts, so there the rounding is done on the bits first."""
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def load_count(COUNT, index):
+    """A union's length as a scalar loop bound (a 1-element reduction keeps the
+    interpreter, whose scalars are 1-element arrays, happy; free on the GPU)."""
+    return tl.reduce(tl.load(COUNT + index + tl.arange(0, 1)), 0, SUM)
+
+
+@triton.jit
+def program_xy(NX, NY, FOLD: tl.constexpr):
+    """``(x, y, live)``: this program's coordinates in the unfolded ``NX x NY`` grid.
+
+    With FOLD > 1, programs past NY are dead: ``live`` is False and y is clamped to
+    NY - 1 so that their addresses stay in bounds; the caller masks all their work off
+    (with ``tl.where(live, mask, False)``: the interpreter mistypes ``mask & live``)."""
+    if FOLD == 1:
+        return tl.program_id(0), tl.program_id(1), True
+    else:
+        pid = tl.program_id(0)
+        y = pid // NX + FOLD * tl.program_id(1)
+        return pid % NX, tl.minimum(y, NY - 1), y < NY
+
+
+@triton.jit
+def pair_coordinates(tile, pid, S_q, HKV, G, HB: tl.constexpr, T: tl.constexpr, N_CHUNKS,
+                     FLAT: tl.constexpr):
+    """Per matrix row m of program (``tile``, ``pid``): its bit t in ``rowbits``, query
+    head and row (int64, 0 where invalid) and validity.
+
+    Padded tiles (m = t * HB + j): T rows of one batch row, heads ``chunk * HB + j``.
+    Flat (FLAT, T = 1, N_CHUNKS = 1): program p's rows are the (row, head) pairs
+    ``p * HB + m`` of one KV head's group, in row-major order, and t counts query rows
+    from the program's first one."""
+    chunk = pid % N_CHUNKS
+    g = pid // N_CHUNKS % HKV
+    m = tl.arange(0, T * HB)
+    if FLAT:
+        pair = tile * (T * HB) + m
+        row = pair // G
+        local_head = pair % G
+        t = row - (tile * (T * HB)) // G
+    else:
+        t = m // HB
+        local_head = chunk * HB + (m % HB)
+        row = tile * T + t
+    row_ok = (row < S_q) & (local_head < G)
+    head = tl.where(row_ok, g * G + local_head, 0).to(tl.int64)
+    row64 = tl.where(row_ok, row, 0).to(tl.int64)
+    return t, head, row64, row_ok
+
+
+@triton.jit
+def program_tile(COUNT, B, S_q, N_TILES, HKV, G, D, N_CHUNKS, HB: tl.constexpr, T: tl.constexpr,
+                 D_PAD: tl.constexpr, FLAT: tl.constexpr, FOLD: tl.constexpr):
+    """What the forward and backward programs start from: tile, batch row and KV head
+    (int64), the matrix rows' :func:`pair_coordinates`, the head-dim lanes, the
+    [M, D_PAD] load/store mask and the tile's union length (0 for dead programs)."""
+    tile, pid, live = program_xy(N_TILES, B * HKV * N_CHUNKS, FOLD)
+    b64 = (pid // N_CHUNKS // HKV).to(tl.int64)
+    g64 = (pid // N_CHUNKS % HKV).to(tl.int64)
+    t, head, row64, row_ok = pair_coordinates(tile, pid, S_q, HKV, G, HB, T, N_CHUNKS, FLAT)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    count = load_count(COUNT, b64 * N_TILES + tile)
+    if FOLD > 1:
+        row_ok = tl.where(live, row_ok, False)
+        count = tl.where(live, count, 0)
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    return tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask, count
+
+
+@triton.jit
+def gather_chunk(start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s, sv_d, d, d_ok, t, row_ok,
+                 BLOCK_K: tl.constexpr, EVEN_D: tl.constexpr, OFFS32: tl.constexpr):
+    """Union chunk [start, start + BLOCK_K): IDs (clamped to 0 past ``count``), K/V
+    rows, the [BLOCK_K, D_PAD] mask of real entries, and membership.
+
+    ``OFFS32``: every element offset from the K/V/dK/dV base pointers fits int32 (the
+    host checks), so the per-element address arithmetic stays 32-bit. ``EVEN_D``:
+    D == D_PAD, so the masks are per row only."""
+    u = start + tl.arange(0, BLOCK_K)
+    u_ok = u < count
+    ids = tl.load(union + u, mask=u_ok, other=0)
+    bits = tl.load(rowbits + u, mask=u_ok, other=0)
+    rows = tl.where(ids >= 0, ids, 0)
+    if not OFFS32:
+        rows = rows.to(tl.int64)
+    k_off = rows[:, None] * sk_s + d[None, :] * sk_d
+    v_off = rows[:, None] * sv_s + d[None, :] * sv_d
+    # entries past count load zeros, not row 0: K/V rows that no query routes to may
+    # hold anything (even inf), and 0 * inf would leak into the dots
+    if EVEN_D:
+        kv_mask = tl.broadcast_to(u_ok[:, None], (BLOCK_K, d.shape[0]))
+    else:
+        kv_mask = u_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + k_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_base + v_off, mask=kv_mask, other=0.0)
+    member = (((bits[None, :] >> t[:, None]) & 1) != 0) & row_ok[:, None]
+    return rows, kv_mask, k, v, member
+
+
+@triton.jit
+def program_rows(first_pair, PAIRS: tl.constexpr, group):
+    """First and last query row (inclusive) that the flat program of (row, head) pairs
+    ``[first_pair, first_pair + PAIRS)`` over ``group`` heads touches
+    (``qsa_triton.plan.program_rows`` on the host)."""
+    return first_pair // group, (first_pair + PAIRS - 1) // group
+
+
+@triton.jit
+def fill(ptr, start, end, value: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """``ptr[start:end] = value`` (int32), ``BLOCK`` entries per step."""
+    if INTERPRET:
+        i = start
+        while i < end:
+            offs = i + tl.arange(0, BLOCK)
+            tl.store(ptr + offs, tl.full([BLOCK], value, tl.int32), mask=offs < end)
+            i += BLOCK
+    else:
+        for i in range(start, end, BLOCK):
+            offs = i + tl.arange(0, BLOCK)
+            tl.store(ptr + offs, tl.full([BLOCK], value, tl.int32), mask=offs < end)

@@ -1,0 +1,250 @@
+"""What every kernel launch passes, as data: the one source of both launchers' calls.
+
+A :class:`Launch` names the kernel, its grid, warps and stages, and its arguments in the
+kernels' signature order: array inputs, fp32 scalars, outputs, then integers and
+constexprs by keyword. ``qsa_torch`` passes everything by keyword to
+``kernel[grid](...)``; ``qsa_jax`` passes the inputs and scalars positionally to
+``jax_triton.triton_call`` (which appends the outputs, and takes the rest as
+compile-time constants). Both build their launches with the functions below from the
+same plan, so the same shapes give the same grids, tiles, constexprs and fp32 scalars
+(``scale * log2(e)`` rounded to fp32 once, here), the precondition of bitwise-equal
+forward outputs across frameworks.
+
+Strides are per-element integers; the torch launcher hands the tensors' own (any
+strides), the JAX launcher row-major ones. Pure Python apart from :func:`kernel`, which
+imports triton and the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .plan import CutStep, Plan, SortStep, fold_grid, offsets_fit_int32
+
+__all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES",
+           "LOG2E", "fp32", "contiguous_strides", "attempts", "forward_launch", "backward_launch",
+           "keys_launch", "merge_launch", "cut_launch", "kernel", "interpreted"]
+
+LOG2E = 1.4426950408889634
+UNION_BLOCK = 1024  # keys (IDs) per step of the union kernels
+# the union kernels' launch options: Triton's defaults on CUDA, stated once for both launchers
+UNION_WARPS, UNION_STAGES = 4, 3
+
+Operand = tuple[tuple[int, ...], tuple[int, ...]]  # (shape, per-element strides)
+
+
+def fp32(x: float) -> float:
+    """``x`` rounded to the nearest fp32, as a Python float (exact in fp32)."""
+    return float(np.float32(x))
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= int(size)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class Output:
+    """An output buffer: ``zeroed`` ones are accumulated into and must be zero on entry;
+    the kernels write every element of the others."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    zeroed: bool = False
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str
+    grid: tuple[int, ...]
+    inputs: tuple[str, ...]
+    scalars: tuple[tuple[str, float], ...]
+    outputs: tuple[Output, ...]
+    params: tuple[tuple[str, object], ...]
+    num_warps: int
+    num_stages: int
+
+    def arg_names(self) -> tuple[str, ...]:
+        """Every argument name, in the order the kernel's signature must have them."""
+        return (self.inputs + tuple(n for n, _ in self.scalars) + tuple(o.name for o in self.outputs)
+                + tuple(n for n, _ in self.params))
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """The per-launch choices that may be narrowed when a configuration does not fit the
+    device's shared memory: heads per program, union IDs per step, pipeline stages."""
+
+    heads: int
+    block_k: int
+    stages: int
+
+
+def attempts(plan: Plan, backward: bool) -> list[Attempt]:
+    """The plan's own choice first, then the narrower fallbacks in order: one stage,
+    narrower union chunks, then (padded tiles only; flat programs own fixed pair ranges,
+    the unions depend on them) fewer heads per program."""
+    b = plan.blocks
+    rows = plan.backward_rows if backward else plan.rows_per_tile
+    heads = plan.bwd_heads if backward else plan.fwd_heads
+    block_k, stages = (b.backward_block_k, b.backward_num_stages) if backward else (b.block_k, b.num_stages)
+    head_options = [heads] if plan.flat else [h for h in (heads, heads // 2, heads // 4) if h >= 1 and rows * h >= 16]
+    chunk_options = [(block_k, stages), (block_k, 1)] + [(bk, 1) for bk in (block_k // 2, block_k // 4) if bk >= 16]
+    return list(dict.fromkeys(Attempt(h, bk, st) for h in head_options for bk, st in chunk_options))
+
+
+def _strides(prefix: str, strides, names) -> list[tuple[str, int]]:
+    return [(prefix + n, int(s)) for n, s in zip(names, strides)]
+
+
+_BSHD, _BHS, _BSH = ("b", "s", "h", "d"), ("b", "h", "s"), ("b", "s", "h")
+
+
+def _kernel_shape(plan: Plan, q: Operand, k: Operand, union_shape, backward: bool, dtype: str,
+                  interpreted: bool, attempt: Attempt | None):
+    """Grid, integer arguments and constexprs shared by the forward and backward kernels."""
+    (bsz, s_q, _, d), (_, _, hkv, _) = q[0], k[0]
+    _, n_tiles, width = union_shape
+    if plan.flat and n_tiles * plan.fwd_heads > 2**31 - 1:
+        raise ValueError("the flat tiling indexes (row, head) pairs in int32: "
+                         f"S_q * G = {n_tiles * plan.fwd_heads} is too many; use flatten_heads=False")
+    attempt = attempt or attempts(plan, backward)[0]
+    chunks = 1 if plan.flat else -(-plan.group // attempt.heads)
+    grid, fold = fold_grid(n_tiles, bsz * hkv * chunks, plan.max_grid_y)
+    rows = 1 if plan.flat else (plan.backward_rows if backward else plan.rows_per_tile)
+    ints = [("B", bsz), ("S_q", s_q), ("N_TILES", n_tiles), ("UNION_WIDTH", width), ("HKV", hkv),
+            ("G", plan.group), ("D", d), ("N_CHUNKS", chunks)]
+    constexprs = [("T", rows), ("HB", attempt.heads), ("D_PAD", plan.head_dim_pad), ("BLOCK_K", attempt.block_k),
+                  ("IEEE", interpreted or dtype == "float32"), ("INTERPRET", interpreted), ("FLAT", plan.flat),
+                  ("EVEN_D", d == plan.head_dim_pad)]
+    return grid, fold, ints, constexprs, attempt
+
+
+def _kv_extents(*operands: Operand):
+    """(rows, row stride, cols, col stride) of K/V-like ``[B, S_kv, Hkv, D]`` operands."""
+    return [(shape[1], strides[1], shape[3], strides[3]) for shape, strides in operands]
+
+
+def forward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: tuple[int, int, int],
+                   scale: float, dtype: str, *, interpreted: bool, attempt: Attempt | None = None) -> Launch:
+    """The forward kernel over unions of shape ``union_shape`` = ``[B, n_tiles, width]``
+    (the recipe's result). Outputs: O ``[B, S_q, Hq, D]`` in ``dtype`` (the inputs'),
+    LSE fp32 ``[B, Hq, S_q]``, both row-major and written in full."""
+    bsz, s_q, hq, d = q[0]
+    grid, fold, ints, constexprs, attempt = _kernel_shape(plan, q, k, union_shape, False, dtype, interpreted,
+                                                          attempt)
+    o_shape, lse_shape = (bsz, s_q, hq, d), (bsz, hq, s_q)
+    strides = (_strides("sq_", q[1], _BSHD) + _strides("sk_", k[1], _BSHD) + _strides("sv_", v[1], _BSHD)
+               + _strides("so_", contiguous_strides(o_shape), _BSHD)
+               + _strides("sl_", contiguous_strides(lse_shape), _BHS))
+    offs32 = offsets_fit_int32(_kv_extents(k, v), plan.offset_limit)
+    return Launch(
+        "forward", grid, ("Q", "K", "V", "UNION", "COUNT", "ROWBITS"), (("scale_log2", fp32(scale * LOG2E)),),
+        (Output("O", o_shape, dtype), Output("LSE", lse_shape, "float32")),
+        tuple(strides + ints + constexprs + [("OFFS32", offs32), ("FOLD", fold)]),
+        plan.blocks.num_warps, attempt.stages)
+
+
+def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
+                    union_shape: tuple[int, int, int], scale: float, dtype: str, *, interpreted: bool,
+                    attempt: Attempt | None = None) -> Launch:
+    """The backward kernel over the backward's unions (``union_shape``); ``o`` is the
+    forward's output and ``do`` its gradient, LSE the forward's (row-major). Outputs: DQ
+    like q in ``dtype``, DK and DV fp32 ``[B, S_kv, Hkv, D]`` accumulators (zeroed)."""
+    (bsz, s_q, hq, d), (_, s_kv, hkv, _) = q[0], k[0]
+    grid, fold, ints, constexprs, attempt = _kernel_shape(plan, q, k, union_shape, True, dtype, interpreted,
+                                                          attempt)
+    dq_shape, dk_shape = (bsz, s_q, hq, d), (bsz, s_kv, hkv, d)
+    dk_strides = contiguous_strides(dk_shape)
+    strides = (_strides("sq_", q[1], _BSHD) + _strides("sk_", k[1], _BSHD) + _strides("sv_", v[1], _BSHD)
+               + _strides("so_", o[1], _BSHD) + _strides("sdo_", do[1], _BSHD)
+               + _strides("sl_", contiguous_strides((bsz, hq, s_q)), _BHS)
+               + _strides("sdq_", contiguous_strides(dq_shape), _BSHD) + _strides("sdk_", dk_strides, _BSH))
+    offs32 = offsets_fit_int32(_kv_extents(k, v, (dk_shape, dk_strides)), plan.offset_limit)
+    return Launch(
+        "backward", grid, ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS"),
+        (("scale", fp32(scale)), ("scale_log2", fp32(scale * LOG2E))),
+        (Output("DQ", dq_shape, dtype), Output("DK", dk_shape, "float32", zeroed=True),
+         Output("DV", dk_shape, "float32", zeroed=True)),
+        tuple(strides + ints + constexprs + [("OFFS32", offs32), ("LEAN_REGISTERS", plan.blocks.lean_backward),
+                                             ("FOLD", fold)]),
+        plan.blocks.backward_num_warps, attempt.stages)
+
+
+# ------------------------------------------------------------------------ unions
+def keys_launch(step: SortStep, routes: Operand, kv_length: int, max_grid_y: int) -> Launch:
+    """Sort keys of ``step``'s groups from routes ``[B, S_q, K]``: KEYS flat, in the key
+    dtype, ``rows * K`` per group (group = batch row * n_groups + group)."""
+    (bsz, s_q, k), strides = routes
+    n_groups, per_group = bsz * step.n_groups, step.rows * k
+    n_chunks = -(-per_group // UNION_BLOCK)
+    grid, fold = fold_grid(n_groups, n_chunks, max_grid_y)
+    keys = step.keys
+    params = _strides("sr_", strides, ("b", "s", "k")) + [
+        ("s_q", s_q), ("k", k), ("kv_length", kv_length), ("n_tiles", step.n_groups), ("n_groups", n_groups),
+        ("n_chunks", n_chunks), ("per_sort", keys.per_sort), ("sentinel", keys.sentinel), ("group_size", step.group),
+        ("T", step.rows), ("SHIFT", keys.shift), ("KEY_BITS", keys.key_bits), ("BLOCK", UNION_BLOCK),
+        ("PAIRS", step.pairs), ("FOLD", fold)]
+    return Launch("union_keys", grid, ("ROUTES",), (), (Output("KEYS", (n_groups * per_group,), keys.dtype),),
+                  tuple(params), UNION_WARPS, UNION_STAGES)
+
+
+def merge_launch(step: SortStep, batch: int, k: int, *, interpreted: bool) -> Launch:
+    """Unions from the sorted keys: UNION / ROWBITS int32 ``[B, n_groups, width]``, COUNT
+    int32 ``[B, n_groups]``."""
+    shape = (batch, step.n_groups, step.width)
+    keys = step.keys
+    return Launch(
+        "union_merge", (batch * step.n_groups,), ("KEYS",), (),
+        (Output("UNION", shape, "int32"), Output("ROWBITS", shape, "int32", zeroed=True),
+         Output("COUNT", shape[:2], "int32")),
+        (("n_keys", step.rows * k), ("width", step.width), ("low_mask", (1 << keys.key_bits) - 1),
+         ("sentinel", keys.sentinel), ("SHIFT", keys.shift), ("BLOCK", UNION_BLOCK), ("INTERPRET", interpreted)),
+        UNION_WARPS, UNION_STAGES)
+
+
+def cut_launch(step: CutStep, parent_shape: tuple[int, int, int], max_grid_y: int, *,
+               interpreted: bool) -> Launch:
+    """Sub-unions of parents ``[B, n_tiles, width]``: SUB_UNION / SUB_ROWBITS int32
+    ``[B, n_sub, width]``, SUB_COUNT ``[B, n_sub]``, all written in full."""
+    bsz, n_tiles, width = parent_shape
+    grid, fold = fold_grid(step.n_sub, bsz, max_grid_y)
+    shape = (bsz, step.n_sub, step.width)
+    return Launch(
+        "union_cut", grid, ("UNION", "ROWBITS", "COUNT"), (),
+        (Output("SUB_UNION", shape, "int32"), Output("SUB_ROWBITS", shape, "int32"),
+         Output("SUB_COUNT", shape[:2], "int32")),
+        (("B", bsz), ("n_tiles", n_tiles), ("width", width), ("n_sub", step.n_sub), ("sub_width", step.width),
+         ("group", step.group), ("SUB_T", step.sub_rows), ("PARTS", step.parts), ("PAIRS", step.pairs),
+         ("BLOCK", UNION_BLOCK), ("INTERPRET", interpreted), ("FOLD", fold)),
+        UNION_WARPS, UNION_STAGES)
+
+
+# ----------------------------------------------------------------------- kernels
+_MODULES = {"forward": ("forward", "qsa_forward_kernel"), "backward": ("backward", "qsa_backward_kernel"),
+            "union_keys": ("union_keys", "union_keys_kernel"), "union_merge": ("union_merge", "union_merge_kernel"),
+            "union_cut": ("union_cut", "union_cut_kernel")}
+
+
+def kernel(name: str):
+    """The ``@triton.jit`` function a :class:`Launch` names (imports triton).
+
+    Raises:
+        ImportError: triton is not installed.
+    """
+    import importlib
+
+    module, attr = _MODULES[name]
+    return getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` was set
+    before they were first imported)."""
+    return type(kernel("forward")).__name__ == "InterpretedFunction"
