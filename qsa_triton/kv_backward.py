@@ -46,10 +46,10 @@ dK/dV accumulators are held transposed, 2 * D_PAD * BLOCK_N fp32 (2 * 256 * 64 a
 and BLOCK_N = 64: 128 registers per thread with 8 warps), so that the dK/dV products have
 M = D_PAD for any BLOCK_N; K/V of the block are read once into shared memory (one
 pipeline stage keeps that copy out of the loop) and each step gathers one chunk of Q/dO.
-Compiled for sm_90a (ptxas, 8 warps, one stage, 16-bit, D = 256): BLOCK_N = 64 with
-BLOCK_M = 64 spills about 500 bytes; BLOCK_N = 32 or 16 with BLOCK_M = 128 spill 8 bytes
-in 172 / 152 KiB of shared memory. Long unions (early keys are routed by many rows) make
-long programs; nothing here splits them.
+Compiled for sm_90a (ptxas, 8 warps, one stage, 16-bit, D = 256), BLOCK_N x BLOCK_M =
+64 x 64 spills 256 bytes, 64 x 32 nothing, 32 x 128 and 16 x 128 8 and 24 bytes (172 and
+152 KiB of shared memory). Long unions (early keys are routed by many rows) make long
+programs: the launch takes segments longest first (``ORDER``); none is split.
 
 Offsets: per-program base pointers and the gathered rows' offsets are int64. Rows past a
 segment's end are masked (bits 0, Q/dO zero), so they contribute exactly nothing.
@@ -187,7 +187,7 @@ def _kv_step(p0, n_pairs, first, rows, bits_ptr, q_base, do_base, lse_base, delt
 
 @triton.jit
 def kv_backward_kernel(
-    Q, K, V, DO, LSE, DELTA, ROWS, BITS, START, DK, DV,
+    Q, K, V, DO, LSE, DELTA, ROWS, BITS, START, ORDER, DK, DV,
     sq_b, sq_s, sq_h, sq_d,
     sk_b, sk_s, sk_h, sk_d,
     sv_b, sv_s, sv_h, sv_d,
@@ -198,29 +198,33 @@ def kv_backward_kernel(
     sdv_b, sdv_s, sdv_h, sdv_d,
     S_kv, N_BLOCKS, HKV, G, D, scale, scale_log2,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr,
-    IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRET: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    """dK, dV [B, S_kv, Hkv, D] (their own dtype) of key block ``program_id(0)`` of batch
-    row ``program_id(1) // HKV``, KV head ``program_id(1) % HKV``.
+    """dK, dV [B, S_kv, Hkv, D] (their own dtype) of one key block and KV head.
 
     Q, DO ``[B, S_q, Hq, D]``; K, V ``[B, S_kv, Hkv, D]``; LSE (natural log) and DELTA
     (sum_d dO * O) fp32 ``[B, Hq, S_q]``; ROWS int32, BITS int64 and START int64
     ``[B * N_BLOCKS + 1]``: the inverse route index with BLOCK_N keys per block. Any
-    strides. Writes every element of DK and DV for the block's keys below S_kv.
+    strides. One-dimensional grid of ``B * N_BLOCKS * HKV`` programs: program p takes
+    KV head ``p % HKV`` of segment ``ORDER[p // HKV]`` (segment b * N_BLOCKS + j: batch
+    row b, keys from j * BLOCK_N); ORDER (int32, a permutation) lists the segments
+    longest first, so that the long ones start first (longest-processing-time order: the
+    results do not depend on it). Writes every element of DK and DV below S_kv.
+    ``EVEN_D``: D == D_PAD.
     """
-    blk = tl.program_id(0)
-    bg = tl.program_id(1)
-    b = (bg // HKV).to(tl.int64)
-    g = (bg % HKV).to(tl.int64)
+    pid = tl.program_id(0)
+    g = (pid % HKV).to(tl.int64)
+    seg = _scalar(ORDER + pid // HKV).to(tl.int64)
+    b = seg // N_BLOCKS
+    blk = seg % N_BLOCKS
     n = tl.arange(0, BLOCK_N)
-    key = blk.to(tl.int64) * BLOCK_N + n
+    key = blk * BLOCK_N + n
     d = tl.arange(0, D_PAD)
-    d_ok = d < D
+    d_ok = d < D_PAD if EVEN_D else d < D  # EVEN_D (D == D_PAD): no masks along D
     kv_mask = (key < S_kv)[:, None] & d_ok[None, :]
     k = tl.load(K + b * sk_b + g * sk_h + key[:, None] * sk_s + d[None, :] * sk_d, mask=kv_mask, other=0.0)
     v = tl.load(V + b * sv_b + g * sv_h + key[:, None] * sv_s + d[None, :] * sv_d, mask=kv_mask, other=0.0)
 
-    seg = b * N_BLOCKS + blk
     first = _scalar(START + seg)
     n_pairs = (_scalar(START + seg + 1) - first) * G
     q_base = Q + b * sq_b
@@ -242,7 +246,12 @@ def kv_backward_kernel(
                               sq_s, sq_h, sq_d, sdo_s, sdo_h, sdo_d, sl_h, sl_s, sdl_h, sdl_s,
                               g, G, k, v, n, d, d_ok, dk, dv, scale_log2, BLOCK_M, IEEE, INTERPRET)
 
-    out_mask = tl.trans(kv_mask)
+    # the store's coordinates again, from a segment the compiler cannot prove equal to the
+    # prologue's (n_pairs is never negative): no [BLOCK_N, D_PAD] masks held over the loop
+    seg = tl.where(n_pairs < 0, 0, seg)
+    b = seg // N_BLOCKS
+    key = seg % N_BLOCKS * BLOCK_N + n
+    out_mask = d_ok[:, None] & (key < S_kv)[None, :]
     dk_ptr = DK + b * sdk_b + g * sdk_h + key[None, :] * sdk_s + d[:, None] * sdk_d
     tl.store(dk_ptr, _narrow(dk * scale, DK.dtype.element_ty, INTERPRET), mask=out_mask)
     dv_ptr = DV + b * sdv_b + g * sdv_h + key[None, :] * sdv_s + d[:, None] * sdv_d

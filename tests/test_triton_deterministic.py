@@ -9,6 +9,7 @@ them over, except in the test that chains the Triton forward. Shapes are tiny.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -95,6 +96,14 @@ def test_index_matches_brute_force(block_n, route_dtype):
         index = build_inverse_index(r.to(DEVICE), kv_length, block_n)
         assert index.start.dtype == torch.int64 and index.rows.dtype == torch.int32
         assert _index_as_lists(index) == _brute_force_index(routes.numpy(), kv_length, block_n)
+        _check_order(index)
+
+
+def _check_order(index):
+    """``order``: every segment once, by descending number of rows, ties ascending."""
+    lengths = (index.start[1:] - index.start[:-1]).cpu().tolist()
+    want = sorted(range(len(lengths)), key=lambda s: (-lengths[s], s))
+    assert index.order.dtype == torch.int32 and index.order.cpu().tolist() == want
 
 
 def test_index_of_qsa_and_random_routes():
@@ -103,6 +112,7 @@ def test_index_of_qsa_and_random_routes():
         routes = routes[None]
         index = build_inverse_index(torch.from_numpy(routes).to(DEVICE), 96, 32)
         assert _index_as_lists(index) == _brute_force_index(routes, 96, 32)
+        _check_order(index)
 
 
 def test_index_sort_per_batch_row_and_int64_keys(monkeypatch):
@@ -239,15 +249,29 @@ def test_unrouted_kv_rows_may_hold_anything(poisoned):
         assert relative_error(g, w) < TOLERANCE["float32"]
 
 
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) (what selects this backward): none of the
+    torch ops used may refuse to run."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
 def test_bitwise_reproducible():
     rng = _fresh_rng()
     problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=64, width=16, top_k=3)
     routes = torch.from_numpy(problem.routes).to(DEVICE)
     args, _ = _inputs(rng, problem.routes, problem.kv_length, (12, 1), 24, "bfloat16", 0.2)
     blocks = KVBlockSizes(block_n=32, block_m=16)
-    runs = [deterministic_dk_dv(*args, routes, 0.2, block_sizes=blocks) for _ in range(3)]
-    index = build_inverse_index(routes, problem.kv_length, 32)
-    runs.append(deterministic_dk_dv(*args, routes, 0.2, block_sizes=blocks, index=index))
+    with deterministic_algorithms():
+        runs = [deterministic_dk_dv(*args, routes, 0.2, block_sizes=blocks) for _ in range(3)]
+        index = build_inverse_index(routes, problem.kv_length, 32)
+        runs.append(deterministic_dk_dv(*args, routes, 0.2, block_sizes=blocks, index=index))
     for dk, dv in runs[1:]:
         assert torch.equal(dk.view(torch.int16), runs[0][0].view(torch.int16))
         assert torch.equal(dv.view(torch.int16), runs[0][1].view(torch.int16))
@@ -332,7 +356,8 @@ def test_gpu_model_shapes_bitwise_and_against_reference():
                    for h in (24, 2, 2, 24))
     out, lse, *_ = triton_qsa.forward_with_residuals(q, k, v, routes, 1 / 16)
     delta = attention_delta(out, do)
-    runs = [deterministic_dk_dv(q, k, v, do, lse, delta, routes, 1 / 16) for _ in range(3)]
+    with deterministic_algorithms():
+        runs = [deterministic_dk_dv(q, k, v, do, lse, delta, routes, 1 / 16) for _ in range(3)]
     for dk, dv in runs[1:]:
         assert torch.equal(dk.view(torch.int16), runs[0][0].view(torch.int16))
         assert torch.equal(dv.view(torch.int16), runs[0][1].view(torch.int16))
