@@ -1,7 +1,7 @@
 """``python -m parity.bench``: every QSA backend of both frameworks, timed side by side
 with dense causal attention in the same run.
 
-For each shape (S, (Hq, Hkv), route family; B=1, D=256, bf16, QSA-format routes
+For each shape (S, (Hq, Hkv), route set; B=1, D=256, bf16, QSA-format routes
 of top_k 512 = width 2052 or random routes of the same width, one document per
 row) it measures, per backend:
 
@@ -15,15 +15,26 @@ row) it measures, per backend:
   ``peak_bytes_in_use``, a process high-water mark: shapes run in ascending S);
 * the ratio to dense causal attention of the same framework (torch SDPA with
   ``is_causal=True``; ``jax.nn.dot_product_attention(implementation="cudnn",
-  is_causal=True)``).
+  is_causal=True)``), and for JAX route-sparse backends the ratio to torch Triton;
+* for torch Triton, each piece on its own (:func:`_triton_pieces`): route unions,
+  forward kernel, backward kernel from the forward's residuals;
+* of every route set it times: the measured mean adjacent-row Jaccard and the
+  tile-union inflation of the kernels' tilings (:mod:`parity.bench_routes`).
+
+Overlap sweep: ``--overlaps 0.3,0.6,0.8,0.9`` adds QSA-format route sets whose
+adjacent-row Jaccard targets those values (the generator's ``overlap`` knob; the
+report gives the measured value) at every ``--seq-lens``; ``--overlaps-at
+32768=0.3,0.6,0.8,0.9`` does so at one S only. With either, ``--families``
+defaults to none (name ``qsa`` there to time the default routes as well).
 
 Robustness: each backend runs in its own subprocess (a crash, an OOM or a hung
 kernel costs that backend only, and its memory is returned), gets a fair share of
 the remaining time budget, skips shapes it would not finish in time and larger
 shapes after an OOM, and appends every result to ``results.jsonl`` as soon as it
-has it. The parent writes ``bench.json``, ``bench.md`` and ``bench.png`` after
-every backend; ``--replot DIR`` rebuilds them from ``DIR/results.jsonl``.
-Routes are generated once per (S, family), in background processes, into
+has it. The parent writes ``bench.json``, ``bench.md`` and ``bench.png`` (and
+``bench-overlap.png`` for a sweep; :mod:`parity.bench_report`) after every backend;
+``--replot DIR`` rebuilds them from ``DIR/results.jsonl``. Routes and their
+statistics are generated once per (S, route set), in background processes, into
 ``--cache-dir`` (reused by later runs with the same parameters).
 """
 
@@ -32,6 +43,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -44,12 +57,14 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from . import bench_routes
+from .bench_report import DENSE, PRIORITY
+from .bench_report import console_summary as _summary
+from .bench_report import enrich as _enrich  # noqa: F401  (tests/test_parity.py reaches it here)
+from .bench_report import write_outputs as _write_outputs
+
 __all__ = ["main", "PRIORITY", "Shape"]
 
-# Run order (most important first): each backend gets a fair share of what is left.
-PRIORITY = ("torch-dense-sdpa", "jax-dense-cudnn", "jax-pallas", "triton", "flex", "fa4", "cudnn",
-            "torch-reference", "jax-xla")
-DENSE = {"torch-dense-sdpa": "torch", "jax-dense-cudnn": "jax"}
 _L2_FLUSH_BYTES = 256 << 20
 _TARGET_SECONDS = 1.0  # measured time per quantity, before the repetition cap
 _REPS = (3, 20)  # min and max timed repetitions
@@ -60,60 +75,29 @@ _GRACE = 45.0  # seconds a worker may overrun its share before it is killed
 class Shape:
     seq_len: int
     heads: tuple[int, int]
-    family: str  # route family; dense baselines ignore routes
+    family: str  # route set label (bench_routes.parse_label); dense baselines ignore routes
 
     def key(self) -> str:
         return f"S={self.seq_len}/{self.heads[0]}:{self.heads[1]}/{self.family}"
 
 
 # ----------------------------------------------------------------------------- planning
-def _routes_path(cache_dir: str, seq_len: int, family: str, top_k: int, seed: int) -> str:
-    return os.path.join(cache_dir, f"routes-S{seq_len}-{family}-k{top_k}-seed{seed}.npy")
-
-
-def _generate_routes(path: str, seq_len: int, family: str, top_k: int, seed: int) -> str:
-    """One full-length document of ``family`` routes, saved as int32 ``[1, S, 4*top_k+4]``."""
-    if os.path.exists(path):
-        return path
-    lock = path + ".lock"
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
-    except FileExistsError:  # another process makes this file: wait while it is alive
-        while not os.path.exists(path) and _lock_alive(lock):
-            time.sleep(1.0)
-        if os.path.exists(path):
-            return path
-    from qsa_common.layouts import make_problem
-
-    try:
-        problem = make_problem("padded", family, seed=seed, seq_len=seq_len, top_k=top_k, batch=1)
-        routes = problem.routes
-        routes = np.where((routes < 0) | (routes >= seq_len), -1, routes).astype(np.int32)
-        tmp = f"{path}.{os.getpid()}.tmp.npy"
-        np.save(tmp, routes)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(lock):
-            os.remove(lock)
-    return path
-
-
-def _lock_alive(lock: str) -> bool:
-    """Whether the process named in ``lock`` still runs."""
-    try:
-        with open(lock) as f:
-            os.kill(int(f.read().strip() or 0), 0)
-        return True
-    except (OSError, ValueError):  # no lock, no such process, or a half-written lock
-        return False
+def _route_sets(args) -> dict[int, list[str]]:
+    """The route set labels timed at each S: ``--families``, then the overlap sets
+    (``--overlaps-at`` for its S, else ``--overlaps``)."""
+    return {s: list(args.families) + [bench_routes.overlap_label(j)
+                                      for j in args.overlaps_at.get(s, args.overlaps)]
+            for s in args.seq_lens}
 
 
 def _plan(args) -> list[Shape]:
-    """Shapes in run order: family, heads, then ascending S (each backend's time-budget
-    estimate extrapolates from the previous S of the same family and heads)."""
-    return [Shape(s, h, f) for f in args.families for h in args.heads for s in sorted(args.seq_lens)]
+    """Shapes in run order: route set (in order of first appearance, smallest S first),
+    heads, then ascending S (each backend's time-budget estimate extrapolates from the
+    previous S of the same route set and heads)."""
+    sets = _route_sets(args)
+    labels = list(dict.fromkeys(label for s in sorted(sets) for label in sets[s]))
+    return [Shape(s, h, label) for label in labels for h in args.heads for s in sorted(sets)
+            if label in sets[s]]
 
 
 # ----------------------------------------------------------------------------- backends
@@ -173,8 +157,24 @@ def _bench_backends() -> dict:
                                    description='jax.nn.dot_product_attention(implementation="cudnn", '
                                                "is_causal=True) (dense baseline)"),
     }
-    table.update(BACKENDS)
+    table["jax-triton"] = Backend("jax-triton", "jax", _jax_triton, dtypes=("bfloat16", "float16", "float32"),
+                                  requires=lambda env, case: None if env.jax_platform == "gpu"
+                                  else "needs JAX on a CUDA GPU (Triton kernels through jax_triton)",
+                                  description='qsa_jax.sparse_gqa_attention(implementation="triton")')
+    table.update(BACKENDS)  # the parity suite's own registration of a name wins
     return table
+
+
+@functools.cache
+def _jax_triton():
+    """``qsa_jax.sparse_gqa_attention(..., implementation="triton")``; ImportError (so the
+    backend shows as unavailable, with the reason) where this checkout has no such
+    implementation or jax_triton is not installed."""
+    attention = importlib.import_module("qsa_jax.attention")
+    if "triton" not in getattr(attention, "IMPLEMENTATIONS", {}):
+        raise ImportError('qsa_jax.sparse_gqa_attention has no implementation="triton" in this checkout')
+    importlib.import_module("jax_triton")
+    return functools.partial(attention.sparse_gqa_attention, implementation="triton")
 
 
 # ----------------------------------------------------------------------------- worker
@@ -302,8 +302,63 @@ def _torch_shape(backend, fn, shape: Shape, routes_np, head_dim, dtype, timer, d
         fn(*leaves, routes, scale).backward(do)
 
     timer.reset_peak()
-    return _add_fwdbwd(result, timer, lambda: _measure(timer, step, before=clear, deadline=deadline),
-                       may_lack_backward=True)
+    result = _add_fwdbwd(result, timer, lambda: _measure(timer, step, before=clear, deadline=deadline),
+                         may_lack_backward=True)
+    if backend.name in PIECES:
+        q, k, v = (t.detach() for t in leaves)
+        try:
+            result.update(PIECES[backend.name](q, k, v, do, routes, scale, timer, deadline))
+        except Exception as err:  # noqa: BLE001: the whole-op figures stand without the pieces
+            if "illegal memory access" in str(err) or "CUDA error" in str(err):
+                raise
+            result["pieces_reason"] = f"{type(err).__name__}: {str(err)[:200]}"
+    return result
+
+
+# Names the torch Triton module would need for the unions and the forward kernel to be
+# timed apart (today: forward_with_residuals = unions + forward kernel).
+_UNIONS_ENTRY, _FORWARD_ENTRY = "route_unions", "forward_from_unions"
+
+
+def _triton_pieces(q, k, v, do, routes, scale, timer, deadline) -> dict:
+    """torch Triton piece by piece, with its public residual form: unions + forward kernel
+    (``forward_with_residuals``) and the backward kernel (``backward_from_residuals``);
+    the unions alone and the forward kernel alone where ``qsa_torch.triton_qsa`` offers
+    ``route_unions(query, key, selected_token_ids) -> (union, count, rowbits)`` and
+    ``forward_from_unions(query, key, value, union, count, rowbits, softmax_scale, top_k)
+    -> (out, lse)`` (else the forward kernel is unions+forward minus unions, or not split)."""
+    import torch
+
+    from qsa_torch import triton_qsa
+
+    top_k = routes.shape[2]
+    result = {}
+    with torch.no_grad():
+        both = functools.partial(triton_qsa.forward_with_residuals, q, k, v, routes, scale)
+        result["piece_unions_fwd_ms"] = _measure(timer, both, deadline=deadline)["median_ms"]
+        out, lse, *unions = both()
+        backward = functools.partial(triton_qsa.backward_from_residuals, do, q, k, v, out, lse, *unions,
+                                     scale, top_k)
+        result["piece_bwd_ms"] = _measure(timer, backward, deadline=deadline)["median_ms"]
+        build = getattr(triton_qsa, _UNIONS_ENTRY, None)
+        forward = getattr(triton_qsa, _FORWARD_ENTRY, None)
+        if build is not None:
+            result["piece_unions_ms"] = _measure(timer, lambda: build(q, k, routes),
+                                                 deadline=deadline)["median_ms"]
+        if forward is not None:
+            result["piece_fwd_ms"] = _measure(timer, lambda: forward(q, k, v, *unions, scale, top_k),
+                                              deadline=deadline)["median_ms"]
+        elif build is not None:
+            result["piece_fwd_ms"] = result["piece_unions_fwd_ms"] - result["piece_unions_ms"]
+            result["piece_fwd_by_difference"] = True
+    missing = [name for name, fn in ((_UNIONS_ENTRY, build), (_FORWARD_ENTRY, forward)) if fn is None]
+    if missing:
+        result["pieces_note"] = f"qsa_torch.triton_qsa has no {' / '.join(missing)}: " + (
+            "forward kernel by difference" if build is not None else "unions and forward kernel timed together")
+    return result
+
+
+PIECES = {"triton": _triton_pieces}
 
 
 def _jax_shape(backend, fn, shape: Shape, routes_np, head_dim, dtype, timer, deadline):
@@ -362,6 +417,14 @@ def _wait_for(path: str, deadline: float) -> bool:
     return True
 
 
+def _route_fields(stats: dict, shape: Shape) -> dict:
+    """What a result records of its route set: the overlap target, the measured Jaccard
+    and the inflation of each tiling at this shape's head group."""
+    group = str(shape.heads[0] // shape.heads[1])
+    return {"overlap_target": stats.get("target"), "jaccard": stats.get("jaccard"),
+            "jaccard_all": stats.get("jaccard_all"), "inflation": stats["inflation"].get(group)}
+
+
 def _predict_seconds(previous: dict | None, seq_len: int) -> float:
     """Seconds the next shape should take, from the previous S of the same family and heads
     (time scaled as S^2: conservative for kernels that scale linearly)."""
@@ -412,8 +475,8 @@ def _worker(plan_path: str) -> int:
         base = {"shape": shape.key(), "seq_len": shape.seq_len, "heads": list(shape.heads),
                 "family": shape.family, "head_dim": plan["head_dim"], "dtype": plan["dtype"]}
         group = (shape.heads, shape.family)
-        case = Case("padded", shape.family if not dense else "qsa", plan["dtype"], shape.heads,
-                    plan["head_dim"], 1, shape.seq_len, shape.seq_len, 4 * plan["top_k"] + 4)
+        case = Case("padded", bench_routes.parse_label(shape.family)[0] if not dense else "qsa", plan["dtype"],
+                    shape.heads, plan["head_dim"], 1, shape.seq_len, shape.seq_len, 4 * plan["top_k"] + 4)
         reason = static_reason(backend, env, case)
         if reason is None and load_error:
             reason = f"cannot load: {load_error}"
@@ -433,10 +496,11 @@ def _worker(plan_path: str) -> int:
             routes_np = np.full((1, shape.seq_len, 1), -1, dtype=np.int32)
         else:
             path = plan["routes"][f"{shape.seq_len}/{shape.family}"]
-            if not _wait_for(path, deadline):
+            if not _wait_for(bench_routes.stats_path(path), deadline):  # written after the routes
                 emit({**base, "status": "skipped", "reason": "routes were not ready within the time budget"})
                 continue
             routes_np = np.load(path)
+            base.update(_route_fields(bench_routes.load_stats(path), shape))
             base["sum_routes"] = int(((routes_np >= 0) & (routes_np < shape.seq_len)).sum())
         started = time.time()
         runner = _torch_shape if backend.framework == "torch" else _jax_shape
@@ -465,175 +529,6 @@ def _worker(plan_path: str) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- report
-def _flops(record: dict, head_dim: int) -> float | None:
-    hq = record["heads"][0]
-    if record.get("sum_routes"):
-        return 4.0 * record["sum_routes"] * hq * head_dim
-    if record["backend"] in DENSE:
-        s = record["seq_len"]
-        return 4.0 * s * (s + 1) / 2 * hq * head_dim
-    return None
-
-
-def _enrich(records: list[dict]) -> list[dict]:
-    """Add TFLOP/s and the ratio to the same framework's dense baseline (else the other's)."""
-    dense = {}
-    for r in records:
-        if r["backend"] in DENSE and r.get("status") == "ok":
-            dense[(r["framework"], r["seq_len"], tuple(r["heads"]))] = r
-    rows = []
-    for r in records:
-        r = dict(r)
-        flops = _flops(r, r["head_dim"])
-        if r.get("status") == "ok" and flops:
-            if r.get("fwd_ms"):
-                r["fwd_tflops"] = flops / (r["fwd_ms"] * 1e-3) / 1e12
-            if r.get("fwdbwd_ms"):
-                r["fwdbwd_tflops"] = 3.5 * flops / (r["fwdbwd_ms"] * 1e-3) / 1e12
-        other = "jax" if r["framework"] == "torch" else "torch"
-        base = (dense.get((r["framework"], r["seq_len"], tuple(r["heads"])))
-                or dense.get((other, r["seq_len"], tuple(r["heads"]))))
-        if base is not None and r.get("status") == "ok":
-            r["dense_baseline"] = base["backend"]
-            for key in ("fwd_ms", "fwdbwd_ms"):
-                if r.get(key) and base.get(key):
-                    r[f"{key[:-3]}_vs_dense"] = r[key] / base[key]
-        rows.append(r)
-    return rows
-
-
-def _cell(value, fmt="{:.2f}") -> str:
-    return "—" if value is None else fmt.format(value)
-
-
-def _markdown(rows: list[dict], meta: dict) -> str:
-    lines = [
-        "# QSA benchmark",
-        "",
-        f"Command: `{meta.get('command', '')}`  ",
-        f"Device: {meta.get('device', '?')}; {meta.get('date', '')}; B=1, D={meta.get('head_dim')}, "
-        f"{meta.get('dtype')}, route width {4 * meta.get('top_k', 512) + 4} (top_k {meta.get('top_k')}), "
-        "one document per row.",
-        "",
-        "Median milliseconds (L2 flushed before each repetition). Useful TFLOP/s: forward "
-        "4·Σ|R|·Hq·D / time, forward+backward 3.5x that (dense: its causal work). "
-        "÷dense: time over the same framework's dense causal attention at the same S and heads. "
-        "Peak: device memory high-water mark during forward+backward (JAX: process high-water mark).",
-        "",
-    ]
-    header = ["S", "heads", "routes", "backend", "fwd ms", "fwd TFLOP/s", "fwd ÷dense",
-              "fwd+bwd ms", "fwd+bwd TFLOP/s", "fwd+bwd ÷dense", "peak GiB", "note"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    order = {name: i for i, name in enumerate(PRIORITY)}
-    families = sorted({r["family"] for r in rows if r["family"] != "-"}) or ["-"]
-    for family in families:
-        for r in sorted((r for r in rows if r["family"] in (family, "-")),
-                        key=lambda r: (r["heads"][0], r["seq_len"], order.get(r["backend"], 99))):
-            peak = r.get("fwdbwd_peak_bytes") or r.get("fwd_peak_bytes")
-            note = r.get("note", "") if r.get("status") == "ok" else f"{r.get('status')}: {r.get('reason', '')}"
-            if r.get("fwdbwd_reason"):
-                note = r["fwdbwd_reason"]
-            lines.append("| " + " | ".join([
-                str(r["seq_len"]), f"{r['heads'][0]}:{r['heads'][1]}",
-                "dense causal" if r["backend"] in DENSE else family, r["backend"],
-                _cell(r.get("fwd_ms")), _cell(r.get("fwd_tflops"), "{:.3g}"),
-                _cell(r.get("fwd_vs_dense")), _cell(r.get("fwdbwd_ms")),
-                _cell(r.get("fwdbwd_tflops"), "{:.3g}"), _cell(r.get("fwdbwd_vs_dense")),
-                _cell(peak / 2**30 if peak else None), note.replace("|", "/")[:200],
-            ]) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def _color(name: str) -> str:
-    """The same colour for a backend in every panel."""
-    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-               "#7f7f7f", "#bcbd22", "#17becf"]
-    index = PRIORITY.index(name) if name in PRIORITY else len(PRIORITY) + sum(map(ord, name))
-    return palette[index % len(palette)]
-
-
-def _plot(rows: list[dict], path: str) -> str | None:
-    """PNG of time vs S per backend (log-log): one row of panels per (routes, heads)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        return f"no plot: {err} (rerun `python -m parity.bench --replot DIR` where matplotlib is installed)"
-    ok = [r for r in rows if r.get("status") == "ok"]
-    groups = sorted({(r["family"], tuple(r["heads"])) for r in ok if r["family"] != "-"})
-    if not groups:
-        groups = sorted({("-", tuple(r["heads"])) for r in ok})
-    if not groups:
-        return "no plot: nothing was measured"
-    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 4.2 * len(groups)), squeeze=False)
-    for row, (family, heads) in enumerate(groups):
-        for col, (key, title) in enumerate((("fwd_ms", "forward"), ("fwdbwd_ms", "forward+backward"))):
-            ax = axes[row][col]
-            members = [r for r in ok if tuple(r["heads"]) == heads and r["family"] in (family, "-")]
-            for name in dict.fromkeys(r["backend"] for r in members):
-                pts = sorted((r["seq_len"], r[key]) for r in members if r["backend"] == name and r.get(key))
-                if pts:
-                    style = "--" if name in DENSE else "-"
-                    ax.plot(*zip(*pts), style, marker="o", label=name, color=_color(name))
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("S (tokens)")
-            ax.set_ylabel("median ms")
-            label = "dense only" if family == "-" else f"{family} routes"
-            ax.set_title(f"{title}, {label}, (Hq,Hkv)=({heads[0]},{heads[1]})")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
-
-
-def _write_outputs(out_dir: str, meta: dict) -> dict:
-    records = []
-    results = os.path.join(out_dir, "results.jsonl")
-    if os.path.exists(results):
-        with open(results) as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        pass  # a line cut by a kill
-    rows = _enrich(records)
-    meta = dict(meta)
-    plot_note = _plot(rows, os.path.join(out_dir, "bench.png"))
-    if plot_note:
-        meta["plot"] = plot_note
-    with open(os.path.join(out_dir, "bench.json"), "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=1)
-    with open(os.path.join(out_dir, "bench.md"), "w") as f:
-        f.write(_markdown(rows, meta))
-    return {"rows": rows, "meta": meta}
-
-
-def _summary(rows: list[dict]) -> str:
-    header = ["shape", "backend", "status", "fwd ms", "fwd+bwd ms", "fwd+bwd ÷dense", "TFLOP/s fwd",
-              "note"]
-    table = [[r["shape"], r["backend"], r.get("status", "?"), _cell(r.get("fwd_ms")),
-              _cell(r.get("fwdbwd_ms")), _cell(r.get("fwdbwd_vs_dense")),
-              _cell(r.get("fwd_tflops"), "{:.3g}"), (r.get("reason") or r.get("fwdbwd_reason") or "")[:70]]
-             for r in rows if r.get("status") != "unavailable"]
-    hidden = sum(r.get("status") == "unavailable" for r in rows)
-    if not table:
-        return f"(nothing measured; {hidden} unavailable)"
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*header)] + [fmt.format(*r) for r in table]
-    if hidden:
-        lines.append(f"({hidden} unavailable shape/backend pairs not shown; see bench.md)")
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------- parent
 def _parse(argv):
     from .__main__ import _csv, _heads
@@ -644,7 +539,14 @@ def _parse(argv):
     p.add_argument("--heads", type=_heads, default=((24, 2), (12, 1)))
     p.add_argument("--head-dim", type=int, default=256)
     p.add_argument("--top-k", type=int, default=512)
-    p.add_argument("--families", type=_csv, default=("qsa", "random"))
+    p.add_argument("--families", type=_csv, default=None,
+                   help="route sets: families (qsa, random, adversarial) or qsa@J labels; default qsa,random "
+                        "(none with --overlaps/--overlaps-at)")
+    p.add_argument("--overlaps", type=_overlap_list, default=(),
+                   help="adjacent-row Jaccard targets of extra QSA-format route sets at every S, "
+                        "e.g. 0.3,0.6,0.8,0.9")
+    p.add_argument("--overlaps-at", action="append", default=[], metavar="S=J1,J2",
+                   help="overlap targets at one S (repeatable; replaces --overlaps there; adds S to --seq-lens)")
     p.add_argument("--backends", type=_csv, default=PRIORITY, help=f"comma list of {','.join(PRIORITY)}")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--time-budget", type=float, default=600.0, help="seconds for the whole run")
@@ -656,11 +558,41 @@ def _parse(argv):
                    help="only generate the route files into --cache-dir (e.g. while something else runs)")
     p.add_argument("--worker", metavar="PLAN", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        items, args.overlaps_at = args.overlaps_at, {}
+        for item in items:
+            s, sep, targets = item.partition("=")
+            if not sep or not s.strip().isdigit() or int(s) < 1:
+                raise ValueError(f"--overlaps-at takes S=J1,J2,..., got {item!r}")
+            args.overlaps_at[int(s)] = _overlap_list(targets)
+        if args.families is None:
+            args.families = () if args.overlaps or args.overlaps_at else ("qsa", "random")
+        from qsa_common.generators import FAMILIES
+
+        for label in args.families:
+            if bench_routes.parse_label(label)[0] not in FAMILIES:
+                raise ValueError(f"unknown route family {label!r}; expected one of {FAMILIES} or qsa@J")
+    except (ValueError, argparse.ArgumentTypeError) as err:
+        p.error(str(err))
+    args.seq_lens = tuple(sorted(set(args.seq_lens) | set(args.overlaps_at)))
+    if not any(_route_sets(args).values()):
+        p.error("no route sets to time: give --families, --overlaps or --overlaps-at")
     known = set(_bench_backends())
     bad = [b for b in args.backends if b not in known]
     if bad:
         p.error(f"unknown backends {bad}; expected some of {','.join(sorted(known))}")
     return args
+
+
+def _overlap_list(text: str) -> tuple[float, ...]:
+    """``"0.3,0.6"`` -> (0.3, 0.6); each target in (0, 1)."""
+    try:
+        targets = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"overlap targets must be numbers, got {text!r}") from None
+    if not targets or not all(0.0 < j < 1.0 for j in targets):
+        raise argparse.ArgumentTypeError(f"overlap targets must be in (0, 1), got {text!r}")
+    return targets
 
 
 def _gpu_query() -> tuple[str, tuple[int, int] | None]:
@@ -678,37 +610,37 @@ def _gpu_query() -> tuple[str, tuple[int, int] | None]:
 
 
 def _statically_unavailable(name: str, shapes: list[Shape], args, capability) -> str | None:
-    """The reason a torch backend cannot run any shape on this GPU (known without starting
-    a worker: compute capability, dtype, head sizes), or None."""
+    """The reason a backend cannot run any shape on this machine, known without starting
+    a worker (torch backends: compute capability, dtype, head sizes; jax-triton: its
+    runtime is not installed), or None."""
     from .backends import Case, Environment, static_reason
 
+    if name == "jax-triton" and importlib.util.find_spec("jax_triton") is None:
+        return "jax_triton is not installed (the GPU wheel bundle carries it)"
     backend = _bench_backends()[name]
     if backend.framework != "torch":
         return None
     env = Environment("cuda" if capability else "cpu", capability, "", os.environ.get("TRITON_INTERPRET") == "1")
-    reasons = {static_reason(backend, env, Case("padded", shape.family, args.dtype, shape.heads, args.head_dim,
-                                                1, shape.seq_len, shape.seq_len, 4 * args.top_k + 4))
+    reasons = {static_reason(backend, env, Case("padded", bench_routes.parse_label(shape.family)[0], args.dtype,
+                                                shape.heads, args.head_dim, 1, shape.seq_len, shape.seq_len,
+                                                4 * args.top_k + 4))
                for shape in shapes}
     return reasons.pop() if len(reasons) == 1 and None not in reasons else None
 
 
-def _route_pool():
-    """Processes for route generation (numpy only; spawned, so never a fork of a threaded process)."""
-    import multiprocessing
-
-    return multiprocessing.get_context("spawn").Pool(max(1, min(4, (os.cpu_count() or 2) // 2)))
-
-
 def _start_routes(args, pool) -> tuple[dict[str, str], list]:
-    """Submit the generation of every (S, family) route file (smallest S first, so the
-    first shapes are ready soon); return {"S/family": path} and the futures."""
+    """Submit the generation of every (S, route set) route file and its statistics
+    (smallest S first, so the first shapes are ready soon); return {"S/label": path}
+    and the futures."""
     os.makedirs(args.cache_dir, exist_ok=True)
+    groups = tuple(sorted({hq // hkv for hq, hkv in args.heads}))
     routes, jobs = {}, []
-    for s in sorted(args.seq_lens):
-        for family in args.families:
-            path = _routes_path(args.cache_dir, s, family, args.top_k, args.seed + s)
-            routes[f"{s}/{family}"] = path
-            jobs.append(pool.apply_async(_generate_routes, (path, s, family, args.top_k, args.seed + s)))
+    for s, labels in sorted(_route_sets(args).items()):
+        for label in labels:
+            path = bench_routes.routes_path(args.cache_dir, s, label, args.top_k, args.seed + s)
+            routes[f"{s}/{label}"] = path
+            jobs.append(pool.apply_async(bench_routes.generate,
+                                         (path, s, label, args.top_k, args.seed + s, groups)))
     return routes, jobs
 
 
@@ -717,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return _worker(args.worker)
     if args.prepare_routes:
-        pool = _route_pool()
+        pool = bench_routes.pool()
         try:
             for job in _start_routes(args, pool)[1]:
                 print("routes ready:", job.get(), flush=True)
@@ -738,13 +670,14 @@ def main(argv: list[str] | None = None) -> int:
             "device": device, "date": time.strftime("%Y-%m-%d %H:%M"), "head_dim": args.head_dim,
             "dtype": args.dtype, "top_k": args.top_k, "seq_lens": list(args.seq_lens),
             "heads": [list(h) for h in args.heads], "families": list(args.families),
+            "route_sets": {str(s): labels for s, labels in sorted(_route_sets(args).items())},
             "backends": list(args.backends), "time_budget_s": args.time_budget}
     with open(meta_path, "w") as f:
         json.dump(meta, f, indent=1)
     results = os.path.join(args.out, "results.jsonl")
     open(results, "w").close()
     shapes = _plan(args)
-    pool = _route_pool()
+    pool = bench_routes.pool()
     routes, _ = _start_routes(args, pool)
     order = [b for b in PRIORITY if b in args.backends] + [b for b in args.backends if b not in PRIORITY]
     print(f"bench: {len(order)} backends x {len(shapes)} shapes, budget {args.time_budget:.0f} s; "

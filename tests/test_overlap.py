@@ -31,7 +31,8 @@ _QSA_DIGESTS = {
     (9000, 512, 5): "a5242c30eec93a6e",
     (4100, 512, 6): "76104067867fef6a",
 }
-_PROBLEM_DIGESTS = {  # make_problem(layout, family, seed=11, seq_len=96, width=20) / (seed=3, seq_len=300, top_k=8)
+# make_problem(layout, family, seed=11, seq_len=96, width=20) and (seed=3, seq_len=300, top_k=8)
+_PROBLEM_DIGESTS = {
     ("padded", "qsa"): ("3f240ad4b18e8722", "83083bbd8dedfbc1"),
     ("padded", "random"): ("741ff8c6547454eb", "a547f850ca92ff85"),
     ("padded", "adversarial"): ("eb78a119c10414da", "62ef2e6d1806d4b8"),
