@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import logging
 import os
@@ -355,14 +356,16 @@ def test_dispatch_matches_float64_oracle(upstream):
         return ours(query, key, value, selected_token_ids, backend=backend, softmax_scale=softmax_scale,
                     flex_mask=flex_mask)
 
-    for layout in ("padded", "packed"):
-        x, _, kwargs = layout_inputs(config, layout, "float32")
-        with upstream.route_qsa_attention(layer, capture):
+    with upstream.route_qsa_attention(layer, capture):
+        for layout in ("padded", "packed"):
+            x, _, kwargs = layout_inputs(config, layout, "float32")
             layer(x, **kwargs)
-    (q, k, v, ids, scale, backend), (_, _, _, packed_ids, _, _) = calls
-    assert ids.dtype == torch.int32 and ids.shape[-1] == SMALL["indexer_budget"] + 3  # trimmed to 35
-    assert packed_ids.shape[-1] == SMALL["indexer_budget"] + 3 and scale == SMALL["head_dim"] ** -0.5
-    assert backend == "flex"
+        layer(x[:, :21], freqs_cis=kwargs["freqs_cis"][:, :21], cu_seqlens=torch.tensor([0, 13, 21]))
+    (q, k, v, ids, scale, backend), (_, _, _, packed_ids, _, _), (_, _, _, short_ids, _, _) = calls
+    # int32 IDs, width min(longest visible extent, budget + ratio - 1), scale passed, backend.attn
+    assert ids.dtype == packed_ids.dtype == short_ids.dtype == torch.int32
+    assert ids.shape[-1] == packed_ids.shape[-1] == SMALL["indexer_budget"] + 3 and short_ids.shape[-1] == 13
+    assert scale == SMALL["head_dim"] ** -0.5 and backend == "flex"
 
     rng = np.random.default_rng()
     adversarial = np.stack([adversarial_routes(k.shape[1], width=24, rng=rng) for _ in range(k.shape[0])])
@@ -553,6 +556,31 @@ def test_unknown_upstream_versions(upstream, monkeypatch, caplog):
         upstream.use_qsa_torch(layer)
 
 
+def test_gpu_benchmark_script_dry_run(upstream, tmp_path, monkeypatch):
+    """scripts/gpu/bench_nemo_layer.py end to end on CPU (small layer, fp32), so that the
+    H200 run does not fail on plumbing: every variant timed and compared with flex."""
+    import json
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu", "bench_nemo_layer.py")
+    spec = importlib.util.spec_from_file_location("bench_nemo_layer", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    layers = upstream_module("layers")
+    builder = layers.build_flex_qsa_mask
+    assert bench.main(["--dry-run", "--out", str(tmp_path), "--qsa-backend", "reference"]) == 0
+    assert layers.build_flex_qsa_mask is builder  # the benchmark undid its instrumentation
+    report = json.loads((tmp_path / "bench_nemo_layer.json").read_text())
+    results = {r["variant"]: r for r in report["results"]}
+    assert set(results) == {"flex", "cute", "qsa_torch"}
+    for name, r in results.items():
+        assert r["step_ms"] > 0 and r["breakdown_ms"]["attn_bwd"] > 0 and r["breakdown_ms"]["indexer"] > 0
+        if name != "flex":  # on CPU every variant but ours runs upstream's oracle
+            assert r["routes_identical"] and max(r["agreement"].values()) < 1e-5, r["agreement"]
+    assert "sparse_gqa_attention: ran backend" not in " ".join(results["flex"]["qsa_torch_log"])
+    assert (tmp_path / "bench_nemo_layer.md").read_text().count("| 150 |") == 3
+
+
 @pytest.mark.gpu
 def test_auto_on_cuda_matches_upstream_flex_and_skips_its_mask(upstream):
     import torch
@@ -564,17 +592,13 @@ def test_auto_on_cuda_matches_upstream_flex_and_skips_its_mask(upstream):
     select = dict(freqs_cis=kwargs["freqs_cis"], attention_mask=kwargs["attention_mask"], cp_context=None,
                   packed_cu_seqlens=None)
 
-    def step():
-        out = train_step(layer, x.cuda(), grad.cuda(), **kwargs)
-        return out
-
-    assert layer._select_routes(x.cuda(), **select).flex_mask is not None
-    want = step()
+    x, grad = x.cuda(), grad.cuda()
+    assert layer._select_routes(x, **select).flex_mask is not None
+    want = train_step(layer, x, grad, **kwargs)
     with OpCounter() as ops, upstream.use_qsa_torch(layer):
-        assert layer._select_routes(x.cuda(), **select).flex_mask is None
-        got = step()
+        assert layer._select_routes(x, **select).flex_mask is None
+        got = train_step(layer, x, grad, **kwargs)
     assert ops.counts and set(ops.counts) <= {"sparse_gqa_attention", "sparse_gqa_attention_backward",
                                               "triton_sparse_gqa_attention",
                                               "triton_sparse_gqa_attention_backward"}
     assert_same(got, want, "bfloat16", "cuda auto vs flex")
-    torch.cuda.synchronize()

@@ -1,0 +1,497 @@
+"""One training step of nemo-automodel's Qwen3.8-Flash-Next QSA layer on the H200, three ways.
+
+    python3 scripts/gpu/bench_nemo_layer.py --out DIR [--seq-lens 8192 32768] [--iters 5]
+        [--warmup 2] [--time-budget 250] [--variants flex cute qsa_torch] [--qsa-backend auto]
+
+Needs nemo-automodel 0.7.0 and its import closure (transformers, ...); ``cute`` needs
+``flash_attn.cute`` (flash-attn-4 and the CuTe DSL), else it is reported unavailable
+with the error. ``--dry-run`` checks the plumbing on CPU (small layer, S=150, fp32).
+
+The layer: ``Qwen3_8_FlashNextQSAAttention`` at the real config (hidden 2560, 24/2
+heads, head_dim 256, indexer 4 x 128, budget 2048, ratio 4, config defaults otherwise),
+upstream's initialisation, bf16 as upstream builds it (norm weights fp32), B = 1, no
+padding. One step = forward of the whole layer (indexer, projections, norms, RoPE,
+sparse GQA, gate, output projection) and backward from a fixed random ``grad_out``.
+Variants, all on the same weights and inputs:
+
+* ``flex``: upstream with ``backend.attn = "flex"`` (builds its FlexAttention mask in
+  ``_select_routes``, attention through its compiled ``flex_attention``);
+* ``cute``: upstream with ``backend.attn = "cute"`` (FA4 block-sparse, SM90);
+* ``qsa_torch``: the ``flex``-configured layer under ``use_qsa_torch(layer, "auto")``
+  (run first, so that it is measured even if the time budget runs out).
+
+Per variant and S: warm-up steps first (they absorb compilation: upstream's
+``torch.compile`` of flex_attention per shape, FA4's and Triton's JIT), then
+
+1. ``step_ms``: median of ``--iters`` steps timed with CUDA events around the whole step,
+   the layer exactly as a user runs it (no instrumentation);
+2. ``peak_gib``: peak allocated memory during one such step, above what was allocated
+   before it (activations and workspaces; weights and inputs excluded);
+3. the breakdown, from ``--iters`` more steps with CUDA events inside the layer (medians):
+   ``attn_fwd`` around the layer's ``qsa_gqa_attention(...)`` call; ``attn_bwd`` from the
+   moment autograd hands the gradient to the attention output to the moment it has
+   produced dQ, dK and dV (two identity autograd nodes record the events; autograd runs
+   the layer's backward in reverse creation order on one stream, and every node between
+   them belongs to the attention); ``indexer`` around the indexer module's forward;
+   ``flex_mask`` around upstream's ``build_flex_qsa_mask`` (flex only); ``other`` = the
+   instrumented step minus those, i.e. projections, norms, RoPE, gate and their
+   gradients. The spans include host time between the launches they contain (e.g. a
+   host sync), which is part of the step's cost;
+4. agreement with the ``flex`` run: ``||x - x_flex|| / ||x_flex||`` for the output, the
+   input gradient and every trainable parameter's gradient, and whether the routes
+   the indexer produced were identical.
+
+Writes ``bench_nemo_layer.json`` and ``bench_nemo_layer.md`` under ``--out`` and prints
+the table and each S's indexer share of the ``qsa_torch`` step last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+UPSTREAM = "nemo_automodel.components.models.qwen3_8_flash_next"
+# qsa_torch first: the measurement that matters most runs even if the budget runs out
+VARIANTS = ("qsa_torch", "flex", "cute")
+START = time.time()
+# the real layer at config defaults; RoPE: default type, rotary width 64 (3 text streams)
+ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10]}
+SMALL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, indexer_n_heads=2,
+             indexer_head_dim=32, indexer_budget=32, indexer_compress_ratio=4,
+             rope_parameters={**ROPE, "mrope_section": [4, 2, 2]})
+
+
+def log(*args) -> None:
+    print(f"[{time.time() - START:6.1f}s]", *args, flush=True)
+
+
+class HostEvent:
+    """CPU stand-in for ``torch.cuda.Event`` (dry runs)."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def new_event(device: torch.device):
+    return torch.cuda.Event(enable_timing=True) if device.type == "cuda" else HostEvent()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _GradEvent(torch.autograd.Function):
+    """Identity on ``tensors`` whose backward records ``event`` once all their gradients exist."""
+
+    @staticmethod
+    def forward(ctx, event, *tensors):
+        ctx.event = event
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.event.record()
+        return (None, *grads)
+
+
+class Spans:
+    """Event pairs of one instrumented step, by name; inactive outside instrumented steps."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.active, self.pairs, self.routes = device, False, {}, None
+
+    def open(self, name: str):
+        start, end = new_event(self.device), new_event(self.device)
+        self.pairs.setdefault(name, []).append((start, end))
+        return start, end
+
+    def durations(self) -> dict[str, float]:
+        return {name: sum(s.elapsed_time(e) for s, e in pairs) for name, pairs in self.pairs.items()}
+
+
+def timed_dispatch(dispatch, spans: Spans):
+    """``dispatch`` (upstream's signature) with attention forward/backward events."""
+
+    def qsa_gqa_attention(query, key, value, selected_token_ids, *, backend, softmax_scale=None, flex_mask=None):
+        if not spans.active:
+            return dispatch(query, key, value, selected_token_ids, backend=backend, softmax_scale=softmax_scale,
+                            flex_mask=flex_mask)
+        fwd_start, fwd_end = spans.open("attn_fwd")
+        bwd_start, bwd_end = spans.open("attn_bwd")
+        query, key, value = _GradEvent.apply(bwd_end, query, key, value)
+        fwd_start.record()
+        out = dispatch(query, key, value, selected_token_ids, backend=backend, softmax_scale=softmax_scale,
+                       flex_mask=flex_mask)
+        fwd_end.record()
+        (out,) = _GradEvent.apply(bwd_start, out)
+        spans.routes = selected_token_ids
+        return out
+
+    return qsa_gqa_attention
+
+
+def timed_function(fn, spans: Spans, name: str):
+    def wrapper(*args, **kwargs):
+        if not spans.active:
+            return fn(*args, **kwargs)
+        start, end = spans.open(name)
+        start.record()
+        result = fn(*args, **kwargs)
+        end.record()
+        return result
+
+    return wrapper
+
+
+@dataclasses.dataclass
+class Setup:
+    config: object  # upstream's text config
+    layer: torch.nn.Module
+    backend: object  # upstream's backend config of the layer (attn="flex")
+    spans: Spans
+    upstream_dispatch: object
+    device: torch.device
+    restore: object  # undoes the instrumentation of upstream's module
+
+
+def build(args) -> Setup:
+    """The layer (seeded), instrumentation hooks that stay passive until ``spans.active``."""
+    import importlib
+
+    config_mod = importlib.import_module(f"{UPSTREAM}.config")
+    backend_mod = importlib.import_module(f"{UPSTREAM}.backend")
+    layers = importlib.import_module(f"{UPSTREAM}.layers")
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    overrides = dict(SMALL, dtype="float32") if args.dry_run else {"rope_parameters": ROPE}
+    config = config_mod.Qwen3_8_FlashNextTextConfig(**overrides)
+    backend = backend_mod.Qwen3_8_FlashNextBackendConfig(attn="flex")
+    torch.manual_seed(args.seed)
+    layer = layers.Qwen3_8_FlashNextQSAAttention(config, 3, backend)
+    layer.init_weights(torch.device("cpu"))
+    layer = (layer.float() if args.dry_run else layer).to(device)
+    spans = Spans(device)
+
+    def indexer_started(*_):
+        if spans.active:
+            spans.open("indexer")[0].record()
+
+    def indexer_finished(*_):
+        if spans.active:
+            spans.pairs["indexer"][-1][1].record()
+
+    layer.indexer.register_forward_pre_hook(indexer_started)
+    layer.indexer.register_forward_hook(indexer_finished)
+    # upstream's _select_routes looks the mask builder up in layers.py at call time
+    builder = layers.build_flex_qsa_mask
+    layers.build_flex_qsa_mask = timed_function(builder, spans, "flex_mask")
+    restore = lambda: setattr(layers, "build_flex_qsa_mask", builder)  # noqa: E731
+    return Setup(config, layer, backend, spans, layers.qsa_gqa_attention, device, restore)
+
+
+def rotary(config, seq: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    from nemo_automodel.components.models.qwen3_5_moe.model import Fp32SafeQwen3_5MoeTextRotaryEmbedding
+
+    rope = Fp32SafeQwen3_5MoeTextRotaryEmbedding(config=config).to(device)
+    positions = torch.arange(seq, device=device).view(1, 1, -1).expand(3, 1, -1)
+    cos, sin = rope(torch.empty(0, device=device, dtype=dtype), positions)
+    half = cos.shape[-1] // 2
+    return torch.cat((cos[..., :half], sin[..., :half]), dim=-1)
+
+
+def train_step(layer, x, grad_out, freqs):
+    layer.zero_grad(set_to_none=True)
+    leaf = x.detach().requires_grad_()
+    out = layer(leaf, freqs_cis=freqs)
+    out.backward(grad_out)
+    return out, leaf
+
+
+def routes_for(setup: Setup, variant: str, args, instrumented: bool):
+    """The route a variant runs under: none (plain upstream), use_qsa_torch, or a timing route."""
+    from qsa_torch.integrations.nemo_automodel import qsa_torch_dispatch, route_qsa_attention, use_qsa_torch
+
+    if variant == "qsa_torch":
+        if not instrumented:
+            return use_qsa_torch(setup.layer, args.qsa_backend)
+        ours = qsa_torch_dispatch(args.qsa_backend, setup.upstream_dispatch)
+        return route_qsa_attention(setup.layer, timed_dispatch(ours, setup.spans))
+    if not instrumented:
+        return contextlib.nullcontext()
+    return route_qsa_attention(setup.layer, timed_dispatch(setup.upstream_dispatch, setup.spans),
+                               build_flex_mask=True)
+
+
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        line = record.getMessage()
+        if line not in self.lines:
+            self.lines.append(line)
+
+
+def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.double(), expected.double()
+    if not bool(torch.isfinite(a).all()):
+        return float("inf")
+    norm = float(e.norm())
+    return float((a - e).norm()) / norm if norm > 0 else float((a - e).norm())
+
+
+def run_variant(setup: Setup, variant: str, seq: int, inputs, args) -> tuple[dict, dict]:
+    """Time one variant; returns its result and its output, gradients and routes."""
+    layer, device = setup.layer, setup.device
+    layer.backend = dataclasses.replace(setup.backend, attn="cute" if variant == "cute" else "flex")
+    x, grad_out, freqs = inputs
+    result: dict = {"variant": variant, "seq_len": seq}
+    handler = _Messages()
+    qsa_logger = logging.getLogger("qsa_torch")
+    qsa_logger.addHandler(handler)
+    level = qsa_logger.level
+    qsa_logger.setLevel(logging.DEBUG)
+    try:
+        with routes_for(setup, variant, args, instrumented=False):
+            t0 = time.time()
+            for _ in range(args.warmup):
+                train_step(layer, x, grad_out, freqs)
+            synchronize(device)
+            result["warmup_s"] = time.time() - t0
+            times = []
+            for _ in range(args.iters):
+                start, end = new_event(device), new_event(device)
+                start.record()
+                train_step(layer, x, grad_out, freqs)
+                end.record()
+                times.append((start, end))
+            synchronize(device)
+            result["step_ms"] = statistics.median(s.elapsed_time(e) for s, e in times)
+            result["step_ms_all"] = [s.elapsed_time(e) for s, e in times]
+            if device.type == "cuda":
+                layer.zero_grad(set_to_none=True)
+                synchronize(device)
+                before = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                train_step(layer, x, grad_out, freqs)
+                synchronize(device)
+                result["peak_gib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**30
+            out, leaf = train_step(layer, x, grad_out, freqs)
+            tensors = {"out": out.detach(), "dx": leaf.grad}
+            tensors.update({f"grad/{n}": p.grad for n, p in layer.named_parameters() if p.requires_grad})
+        result["qsa_torch_log"] = list(handler.lines)
+
+        parts = []
+        with routes_for(setup, variant, args, instrumented=True):
+            for i in range(args.iters + 1):  # the first one is discarded (any recompilation)
+                setup.spans.pairs = {}
+                setup.spans.active = True
+                start, end = new_event(device), new_event(device)
+                start.record()
+                train_step(layer, x, grad_out, freqs)
+                end.record()
+                setup.spans.active = False
+                synchronize(device)
+                if i:
+                    parts.append({"step": start.elapsed_time(end), **setup.spans.durations()})
+        names = sorted({k for p in parts for k in p})
+        breakdown = {k: statistics.median(p.get(k, 0.0) for p in parts) for k in names}
+        measured = sum(breakdown.get(k, 0.0) for k in ("attn_fwd", "attn_bwd", "indexer", "flex_mask"))
+        breakdown["other"] = breakdown["step"] - measured
+        breakdown["attn"] = breakdown["attn_fwd"] + breakdown["attn_bwd"]
+        result["breakdown_ms"] = breakdown
+        routes, setup.spans.routes = setup.spans.routes, None
+        return result, {"tensors": tensors, "routes": routes}
+    finally:
+        qsa_logger.removeHandler(handler)
+        qsa_logger.setLevel(level)
+
+
+def compare(results: list[dict], seq: int, captured: dict) -> None:
+    """Agreement of every variant's output, gradients and routes with the flex run."""
+    reference = captured.get("flex")
+    for entry in results:
+        if entry["seq_len"] != seq or entry["variant"] not in captured:
+            continue
+        if entry["variant"] == "flex":
+            entry["agreement"] = "reference"
+        elif reference is None:
+            entry["agreement"] = "no flex run to compare with"
+        else:
+            mine = captured[entry["variant"]]
+            entry["agreement"] = {name: rel(t, reference["tensors"][name]) for name, t in mine["tensors"].items()}
+            entry["routes_identical"] = bool(torch.equal(mine["routes"], reference["routes"]))
+
+
+def fmt(value, digits=2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# nemo-automodel Qwen3.8-Flash-Next QSA layer: one training step",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Environment: {json.dumps(report['env'])}",
+        "",
+        "| S | variant | step ms | peak GiB | attn fwd | attn bwd | attn | indexer | flex mask | other "
+        "| out err | dx err | max param-grad err | routes equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        if "error" in r or "skipped" in r:
+            lines.append(f"| {r['seq_len']} | {r['variant']} | {r.get('error') or r.get('skipped')} "
+                         + "| " * 11 + "|")
+            continue
+        b = r["breakdown_ms"]
+        agree = r["agreement"]
+        errs = ("-", "-", "-") if isinstance(agree, str) else (
+            f"{agree['out']:.1e}", f"{agree['dx']:.1e}",
+            f"{max(v for k, v in agree.items() if k.startswith('grad/')):.1e}")
+        lines.append(
+            f"| {r['seq_len']} | {r['variant']} | {fmt(r['step_ms'])} | {fmt(r.get('peak_gib'))} "
+            f"| {fmt(b.get('attn_fwd'))} | {fmt(b.get('attn_bwd'))} | {fmt(b.get('attn'))} "
+            f"| {fmt(b.get('indexer'))} | {fmt(b.get('flex_mask'))} | {fmt(b.get('other'))} "
+            f"| {errs[0]} | {errs[1]} | {errs[2]} | {r.get('routes_identical', '-')} |")
+    lines += ["", "Times are medians in ms (CUDA events). `step ms`: uninstrumented step; the breakdown "
+              "columns come from separate instrumented steps (see the script's docstring); errors are "
+              "relative to the flex run.", ""]
+    lines += [f"* {line}" for line in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def environment(args) -> dict:
+    import importlib.metadata as md
+
+    env = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("nemo-automodel", "transformers", "flash-attn-4", "triton"):
+        try:
+            env[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            env[dist] = None
+    if torch.cuda.is_available() and not args.dry_run:
+        env["gpu"] = torch.cuda.get_device_name()
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    return env
+
+
+def cute_unavailable() -> str | None:
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as err:  # ImportError, or a broken install raising anything else
+        return f"flash_attn.cute does not import: {type(err).__name__}: {err}"
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--time-budget", type=float, default=250.0,
+                        help="seconds; a (S, variant) that would start later is skipped")
+    parser.add_argument("--qsa-backend", default="auto", help="backend for use_qsa_torch (default auto)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, small layer, S=150, fp32: plumbing only")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.seq_lens, args.iters, args.warmup = [150], 2, 1
+    os.makedirs(args.out, exist_ok=True)
+    report = {"command": " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
+              "env": environment(args), "results": [], "notes": []}
+    started = time.time()
+    try:
+        setup = build(args)
+    except Exception as err:
+        report["error"] = f"{type(err).__name__}: {err}"
+        report["notes"].append("the upstream layer could not be built: " + report["error"])
+        log(traceback.format_exc())
+        write(report, args.out)
+        return 1
+    try:
+        run_all(setup, args, report, started)
+    finally:
+        setup.restore()
+    report["wall_s"] = time.time() - started
+    write(report, args.out)
+    print(markdown(report), flush=True)
+    return 0 if all("error" not in r or r["error"].startswith("unavailable") for r in report["results"]) else 1
+
+
+def run_all(setup: Setup, args, report: dict, started: float) -> None:
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    hidden = setup.config.hidden_size
+    cute_reason = None if args.dry_run else cute_unavailable()
+    for seq in args.seq_lens:
+        gen = torch.Generator().manual_seed(args.seed + seq)
+        x = torch.randn(1, seq, hidden, generator=gen).to(setup.device, dtype)
+        grad_out = torch.randn(1, seq, hidden, generator=gen).to(setup.device, dtype)
+        inputs = (x, grad_out, rotary(setup.config, seq, setup.device, dtype))
+        captured = {}
+        for variant in args.variants:
+            entry = {"variant": variant, "seq_len": seq}
+            if variant == "cute" and cute_reason:
+                entry["error"] = f"unavailable: {cute_reason}"
+            elif time.time() - started > args.time_budget:
+                entry["skipped"] = f"time budget {args.time_budget:.0f} s spent"
+            else:
+                log(f"S={seq} {variant} ...")
+                try:
+                    entry, captured[variant] = run_variant(setup, variant, seq, inputs, args)
+                except Exception as err:
+                    missing = variant == "cute" and isinstance(err, ImportError)
+                    entry["error"] = ("unavailable: " if missing else "") + f"{type(err).__name__}: {str(err)[:300]}"
+                    log(traceback.format_exc())
+            log(f"S={seq} {variant}: " + json.dumps({k: v for k, v in entry.items()
+                                                      if k in ("step_ms", "peak_gib", "error", "skipped",
+                                                               "breakdown_ms")}))
+            report["results"].append(entry)
+            if setup.device.type == "cuda":
+                torch.cuda.empty_cache()
+        compare(report["results"], seq, captured)
+        del captured
+        ours = next((r for r in report["results"] if r["seq_len"] == seq and r["variant"] == "qsa_torch"
+                     and "step_ms" in r), None)
+        if ours:
+            ran = sorted({line.split("ran backend ")[1] for line in ours["qsa_torch_log"] if "ran backend" in line})
+            report["notes"].append(f"S={seq}: use_qsa_torch(backend={args.qsa_backend!r}) ran "
+                                   f"{', '.join(ran) or 'no logged backend (see qsa_torch_log)'}")
+            b = ours["breakdown_ms"]
+            report["notes"].append(
+                f"S={seq}: indexer {b.get('indexer', 0):.2f} ms = {100 * b.get('indexer', 0) / b['step']:.0f}% of "
+                f"the qsa_torch step ({b['step']:.2f} ms instrumented); attention {b['attn']:.2f} ms "
+                f"= {100 * b['attn'] / b['step']:.0f}%; other {b['other']:.2f} ms")
+
+
+def write(report: dict, out: str) -> None:
+    with open(os.path.join(out, "bench_nemo_layer.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(out, "bench_nemo_layer.md"), "w") as f:
+        f.write(markdown(report))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
