@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qsa_triton.launch import fp32
+
 from .routes import validate_inputs, validate_routes
 
 __all__ = [
@@ -180,11 +182,12 @@ def build_inverse_index(routes: torch.Tensor, kv_length: int, block_n: int = 32)
     key_dtype = torch.int32 if key_space <= _MAX_INT32_KEY else torch.int64
     keys = _new_buffer(n_entries, key_dtype, device)
     grid = (-(-n_entries // _INDEX_BLOCK),)
+    route_strides = dict(zip(("sr_b", "sr_s", "sr_k"), routes.stride()))
     with _on_device(device):
         kernels.inverse_keys_kernel[grid](
-            routes, keys, n_entries, s_q, k, kv_length, n_blocks, *routes.stride(),
-            LOG2_BLOCK_N=log2_n, BLOCK=_INDEX_BLOCK)
-    keys, order = _sort(keys, s_q * k)
+            ROUTES=routes, KEYS=keys, n_entries=n_entries, s_q=s_q, k=k, kv_length=kv_length, n_blocks=n_blocks,
+            **route_strides, LOG2_BLOCK_N=log2_n, BLOCK=_INDEX_BLOCK)
+    keys, source = _sort(keys, s_q * k)
     valid = (keys // s_q) % (n_blocks + 1) != n_blocks
     first = valid.clone()
     first[1:] &= keys[1:] != keys[:-1]
@@ -194,8 +197,8 @@ def build_inverse_index(routes: torch.Tensor, kv_length: int, block_n: int = 32)
     bits = torch.zeros(capacity, dtype=torch.int64, device=device)
     with _on_device(device):
         kernels.inverse_from_sorted_kernel[grid](
-            keys, order, slots, routes, rows, bits, n_entries, s_q, k, n_blocks, *routes.stride(),
-            LOG2_BLOCK_N=log2_n, BLOCK=_INDEX_BLOCK)
+            KEYS=keys, SOURCE=source, SLOTS=slots, ROUTES=routes, ROWS=rows, BITS=bits, n_entries=n_entries,
+            s_q=s_q, k=k, n_blocks=n_blocks, **route_strides, LOG2_BLOCK_N=log2_n, BLOCK=_INDEX_BLOCK)
     # segment s = b * n_blocks + j starts at key (b * (n_blocks + 1) + j) * S_q
     seg = torch.arange(bsz * n_blocks + 1, device=device, dtype=torch.int64)
     bounds = ((seg + seg // n_blocks) * s_q).to(key_dtype)
@@ -324,10 +327,14 @@ def deterministic_dk_dv(
                          f"grid limit {_MAX_GRID}: split the batch")
     dk = _new_buffer(key.shape, key.dtype, key.device)
     dv = _new_buffer(value.shape, value.dtype, value.device)
-    args = (query, key, value, grad_out, lse, delta, index.rows, index.bits, index.start, index.order, dk, dv,
-            *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *lse.stride(),
-            *delta.stride(), *dk.stride(), *dv.stride(),
-            s_kv, index.n_blocks, hkv, dims.group_size, d, checked.scale, checked.scale * kernels.LOG2E)
+    args = dict(Q=query, K=key, V=value, DO=grad_out, LSE=lse, DELTA=delta, ROWS=index.rows, BITS=index.bits,
+                START=index.start, ORDER=index.order, scale=fp32(checked.scale),
+                scale_log2=fp32(checked.scale * kernels.LOG2E), DK=dk, DV=dv,
+                S_kv=s_kv, N_BLOCKS=index.n_blocks, HKV=hkv, G=dims.group_size, D=d)
+    for prefix, t in (("sq", query), ("sk", key), ("sv", value), ("sdo", grad_out), ("sdk", dk), ("sdv", dv)):
+        args.update(zip((f"{prefix}_b", f"{prefix}_s", f"{prefix}_h", f"{prefix}_d"), t.stride()))
+    for prefix, t in (("sl", lse), ("sdl", delta)):
+        args.update(zip((f"{prefix}_b", f"{prefix}_h", f"{prefix}_s"), t.stride()))
     d_pad = max(16, 1 << (d - 1).bit_length())
     constexprs = dict(BLOCK_N=blocks.block_n, D_PAD=d_pad, IEEE=interpreted or query.dtype == torch.float32,
                       INTERPRET=interpreted, EVEN_D=d == d_pad)
@@ -339,7 +346,7 @@ def deterministic_dk_dv(
 _FITTING: dict[tuple, tuple[int, int]] = {}
 
 
-def _launch(kernel, grid, args, constexprs: dict, blocks: KVBlockSizes, device: torch.device) -> None:
+def _launch(kernel, grid, args: dict, constexprs: dict, blocks: KVBlockSizes, device: torch.device) -> None:
     """Launch with ``blocks``; where the device lacks the shared memory for it (Triton
     raises OutOfResources on loading), retry with one stage, then narrower row chunks
     (the index does not depend on them), remembering what loaded."""
@@ -350,7 +357,7 @@ def _launch(kernel, grid, args, constexprs: dict, blocks: KVBlockSizes, device: 
     for i, (block_m, stages) in enumerate(attempts):
         try:
             with _on_device(device):
-                kernel[grid](*args, **constexprs, BLOCK_M=block_m, num_warps=blocks.num_warps, num_stages=stages)
+                kernel[grid](**args, **constexprs, BLOCK_M=block_m, num_warps=blocks.num_warps, num_stages=stages)
         except Exception as exc:  # triton.runtime.errors.OutOfResources (triton is imported lazily)
             if type(exc).__name__ != "OutOfResources" or i == len(attempts) - 1:
                 raise

@@ -51,6 +51,9 @@ Compiled for sm_90a (ptxas, 8 warps, one stage, 16-bit, D = 256), BLOCK_N x BLOC
 152 KiB of shared memory). Long unions (early keys are routed by many rows) make long
 programs: the launch takes segments longest first (``ORDER``); none is split.
 
+Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
+scalars, outputs, then integers and constexprs (by keyword).
+
 Offsets: per-program base pointers and the gathered rows' offsets are int64. Rows past a
 segment's end are masked (bits 0, Q/dO zero), so they contribute exactly nothing.
 """
@@ -60,44 +63,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # host-side
-_LOG2E = tl.constexpr(1.4426950408889634)
+from .language import LOG2E, LOG2E_C, cast, load_count, mm
 
-
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-# the standard library's combine function where it exists: the interpreter runs it as a
-# numpy reduction (a combine function of our own would run element by element)
-_SUM = getattr(tl.standard, "_sum_combine", _add)
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """fp32-accumulated ``a @ b``. IEEE (fp32 inputs, and the interpreter, whose dot
-    multiplies the raw bits of 16-bit operands): both widened to fp32, no TF32."""
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
-def _narrow(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 ``x`` to ``dtype`` rounding to nearest even (the interpreter truncates to
-    bf16, so there the rounding is done on the bits first)."""
-    if INTERPRET and dtype == tl.bfloat16:
-        u = x.to(tl.uint32, bitcast=True)
-        x = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return x.to(dtype)
-
-
-@triton.jit
-def _scalar(ptr):
-    """``*ptr`` as a scalar loop bound (a one-element reduction: the interpreter's
-    scalars are one-element arrays; free on the GPU)."""
-    return tl.reduce(tl.load(ptr + tl.arange(0, 1)), 0, _SUM)
+__all__ = ["LOG2E", "inverse_keys_kernel", "inverse_from_sorted_kernel", "kv_backward_kernel"]
 
 
 # ------------------------------------------------------------------ inverse route index
@@ -123,11 +91,11 @@ def inverse_keys_kernel(ROUTES, KEYS, n_entries, s_q, k, kv_length, n_blocks, sr
 
 
 @triton.jit
-def inverse_from_sorted_kernel(KEYS, ORDER, SLOTS, ROUTES, ROWS, BITS, n_entries, s_q, k, n_blocks,
+def inverse_from_sorted_kernel(KEYS, SOURCE, SLOTS, ROUTES, ROWS, BITS, n_entries, s_q, k, n_blocks,
                                sr_b, sr_s, sr_k, LOG2_BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
     """Rows and key masks of the index from the sorted keys.
 
-    ``KEYS`` ascending; ``ORDER[e]``: the route entry (numbered as by
+    ``KEYS`` ascending; ``SOURCE[e]``: the route entry (numbered as by
     :func:`inverse_keys_kernel`) that sorted key ``e`` came from; ``SLOTS[e]``: how many
     (block, row) pairs start at or before ``e`` (an inclusive prefix count). Key ``e``
     belongs to pair ``SLOTS[e] - 1``: the pair's first key writes its row into ``ROWS``
@@ -140,7 +108,7 @@ def inverse_from_sorted_kernel(KEYS, ORDER, SLOTS, ROUTES, ROWS, BITS, n_entries
     valid = in_range & ((key // s_q) % (n_blocks + 1) != n_blocks)
     pair = tl.load(SLOTS + e, mask=valid, other=1).to(tl.int64) - 1
     tl.store(ROWS + pair, (key % s_q).to(tl.int32), mask=valid & (key != prev))
-    entry = tl.load(ORDER + e, mask=valid, other=0)
+    entry = tl.load(SOURCE + e, mask=valid, other=0)
     ids = tl.load(ROUTES + entry // k // s_q * sr_b + entry // k % s_q * sr_s + entry % k * sr_k,
                   mask=valid, other=0)
     bit = tl.full([BLOCK], 1, tl.int64) << (ids.to(tl.int64) & ((1 << LOG2_BLOCK_N) - 1))
@@ -165,29 +133,29 @@ def _kv_step(p0, n_pairs, first, rows, bits_ptr, q_base, do_base, lse_base, delt
     q = tl.load(q_base + row[:, None] * sq_s + head[:, None] * sq_h + d[None, :] * sq_d, mask=io_mask, other=0.0)
     do = tl.load(do_base + row[:, None] * sdo_s + head[:, None] * sdo_h + d[None, :] * sdo_d, mask=io_mask,
                  other=0.0)
-    lse_log2 = tl.load(lse_base + head * sl_h + row * sl_s, mask=ok, other=0.0) * _LOG2E
+    lse_log2 = tl.load(lse_base + head * sl_h + row * sl_s, mask=ok, other=0.0) * LOG2E_C
     delta = tl.load(delta_base + head * sdl_h + row * sdl_s, mask=ok, other=0.0)
     # bit n of the int64 mask, tested on its 32-bit halves (int32 shifts, and no
     # [BLOCK_M, BLOCK_N] int64 shift amounts held across the loop)
     word = tl.where((n < 32)[None, :], bits.to(tl.int32)[:, None], (bits >> 32).to(tl.int32)[:, None])
     member = ((word >> (n & 31)[None, :]) & 1) != 0
-    s = _dot(q, tl.trans(k), IEEE) * scale_log2
+    s = mm(q, tl.trans(k), IEEE) * scale_log2
     # where, not a product: S and dP of keys no row routes to may be inf/NaN (such K/V
     # rows may hold anything) and must not reach the sums
     prob = tl.where(member, tl.exp2(s - lse_log2[:, None]), 0.0)
-    dp = _dot(do, tl.trans(v), IEEE)
+    dp = mm(do, tl.trans(v), IEEE)
     ds = tl.where(member, prob * (dp - delta[:, None]), 0.0)
     # transposed products, dV^T += dO^T P and dK^T += Q^T dS: M = D_PAD fills the wgmma
     # tiles of both warpgroups whatever BLOCK_N is, and every operand is read from
     # shared memory (ptxas, sm_90a: no spills at BLOCK_N = 32, BLOCK_M = 128)
-    dv += _dot(tl.trans(do), _narrow(prob, do.dtype, INTERPRET), IEEE)
-    dk += _dot(tl.trans(q), _narrow(ds, q.dtype, INTERPRET), IEEE)
+    dv += mm(tl.trans(do), cast(prob, do.dtype, INTERPRET), IEEE)
+    dk += mm(tl.trans(q), cast(ds, q.dtype, INTERPRET), IEEE)
     return dk, dv
 
 
 @triton.jit
 def kv_backward_kernel(
-    Q, K, V, DO, LSE, DELTA, ROWS, BITS, START, ORDER, DK, DV,
+    Q, K, V, DO, LSE, DELTA, ROWS, BITS, START, ORDER, scale, scale_log2, DK, DV,
     sq_b, sq_s, sq_h, sq_d,
     sk_b, sk_s, sk_h, sk_d,
     sv_b, sv_s, sv_h, sv_d,
@@ -196,7 +164,7 @@ def kv_backward_kernel(
     sdl_b, sdl_h, sdl_s,
     sdk_b, sdk_s, sdk_h, sdk_d,
     sdv_b, sdv_s, sdv_h, sdv_d,
-    S_kv, N_BLOCKS, HKV, G, D, scale, scale_log2,
+    S_kv, N_BLOCKS, HKV, G, D,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr,
     IEEE: tl.constexpr, INTERPRET: tl.constexpr, EVEN_D: tl.constexpr,
 ):
@@ -214,7 +182,7 @@ def kv_backward_kernel(
     """
     pid = tl.program_id(0)
     g = (pid % HKV).to(tl.int64)
-    seg = _scalar(ORDER + pid // HKV).to(tl.int64)
+    seg = load_count(ORDER, pid // HKV).to(tl.int64)
     b = seg // N_BLOCKS
     blk = seg % N_BLOCKS
     n = tl.arange(0, BLOCK_N)
@@ -225,8 +193,8 @@ def kv_backward_kernel(
     k = tl.load(K + b * sk_b + g * sk_h + key[:, None] * sk_s + d[None, :] * sk_d, mask=kv_mask, other=0.0)
     v = tl.load(V + b * sv_b + g * sv_h + key[:, None] * sv_s + d[None, :] * sv_d, mask=kv_mask, other=0.0)
 
-    first = _scalar(START + seg)
-    n_pairs = (_scalar(START + seg + 1) - first) * G
+    first = load_count(START, seg)
+    n_pairs = (load_count(START, seg + 1) - first) * G
     q_base = Q + b * sq_b
     do_base = DO + b * sdo_b
     lse_base = LSE + b * sl_b
@@ -253,6 +221,6 @@ def kv_backward_kernel(
     key = seg % N_BLOCKS * BLOCK_N + n
     out_mask = d_ok[:, None] & (key < S_kv)[None, :]
     dk_ptr = DK + b * sdk_b + g * sdk_h + key[None, :] * sdk_s + d[:, None] * sdk_d
-    tl.store(dk_ptr, _narrow(dk * scale, DK.dtype.element_ty, INTERPRET), mask=out_mask)
+    tl.store(dk_ptr, cast(dk * scale, DK.dtype.element_ty, INTERPRET), mask=out_mask)
     dv_ptr = DV + b * sdv_b + g * sdv_h + key[None, :] * sdv_s + d[:, None] * sdv_d
-    tl.store(dv_ptr, _narrow(dv, DV.dtype.element_ty, INTERPRET), mask=out_mask)
+    tl.store(dv_ptr, cast(dv, DV.dtype.element_ty, INTERPRET), mask=out_mask)
