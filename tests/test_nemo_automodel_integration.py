@@ -229,6 +229,21 @@ def test_layer_matches_upstream_and_runs_our_op(upstream, monkeypatch, layout, d
     assert (routes == -1).any() and (routes >= 0).any()
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_triton_backend_in_the_interpreter(upstream, layout):
+    """The backend "auto" picks on Hopper, on the layer's real calls (interpreted on CPU)."""
+    pytest.importorskip("triton", reason="needs triton (the 'test' extra)")
+    config = small_config("float32")
+    layer = qsa_layer(config, "float32")
+    x, grad, kwargs = layout_inputs(config, layout, "float32")
+    want = train_step(layer, x, grad, **kwargs)
+    with OpCounter() as ops, upstream.use_qsa_torch(layer, backend="triton"):
+        got = train_step(layer, x, grad, **kwargs)
+    assert ops.counts == {"triton_sparse_gqa_attention": 1, "triton_sparse_gqa_attention_backward": 1}, ops.counts
+    assert_same(got, want, "float32", f"triton {layout}")
+
+
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_decoder_stack_matches_upstream(upstream, layout):
     """Two upstream decoder layers (QSA attention + MoE + hyper-connections), one call routes both."""
