@@ -12,7 +12,8 @@ Families:
   complete four-token blocks a query can causally see, chosen by a score that
   drifts slowly along the sequence (so neighbouring queries share most of their
   blocks), then the query's causal tail, then -1. ``overlap=`` sets how much
-  neighbouring queries share (their adjacent-row Jaccard, ~0.15 to ~0.99).
+  neighbouring queries share: their adjacent-row Jaccard, from that of independent
+  rows (~0.2 at S=32768, top_k 512) to ~0.99.
 * ``"random"``: arbitrary distinct causal IDs per row, in shuffled slots.
 * ``"adversarial"``: random IDs (not causal) plus duplicates, -1, out-of-range,
   huge positive and negative int64 values and empty rows.
@@ -87,8 +88,8 @@ def qsa_format_routes(
     :func:`_correlated_selection`); the token-level adjacent-row Jaccard past the
     identity region, as :mod:`qsa_common.route_stats` measures it, then lands
     within ~0.03 of ``overlap`` wherever the target is reachable (with few visible
-    blocks even independent rows share many: S=8192, top_k 512 cannot go below
-    ~0.35).
+    blocks even independent rows share many: S=8192, top_k 512 stays above ~0.38,
+    S=32768 above ~0.2).
 
     Args:
         doc_length: L, tokens of the document.
