@@ -344,10 +344,10 @@ def write_outputs(out_dir: str, meta: dict) -> dict:
 
 
 def console_summary(rows: list[dict]) -> str:
-    header = ["shape", "backend", "status", "J", "fwd ms", "fwd+bwd ms", "fwd+bwd ÷dense", "TFLOP/s fwd",
-              "note"]
+    header = ["shape", "backend", "status", "J", "infl.", "fwd ms", "fwd+bwd ms", "fwd+bwd ÷dense",
+              "TFLOP/s fwd", "note"]
     table = [[r["shape"], r["backend"], r.get("status", "?"), _cell(r.get("jaccard"), "{:.3f}"),
-              _cell(r.get("fwd_ms")), _cell(r.get("fwdbwd_ms")), _cell(r.get("fwdbwd_vs_dense")),
+              _cell(_inflation(r)), _cell(r.get("fwd_ms")), _cell(r.get("fwdbwd_ms")), _cell(r.get("fwdbwd_vs_dense")),
               _cell(r.get("fwd_tflops"), "{:.3g}"), (r.get("reason") or r.get("fwdbwd_reason") or "")[:70]]
              for r in rows if r.get("status") != "unavailable"]
     hidden = sum(r.get("status") == "unavailable" for r in rows)
