@@ -318,7 +318,8 @@ def test_torch_compile_has_no_graph_break_at_our_op(upstream):
     """With the routes given (route replay), the whole routed layer forward compiles
     with fullgraph=True and contains our op; the full layer's graph breaks are all in
     upstream's indexer (qsa.py: host syncs in right_padded_sequence_lengths and
-    select_qsa_token_ids), none in its layer forward or in qsa_torch."""
+    select_qsa_token_ids), none in its layer forward or in qsa_torch. A route installed
+    after torch.compile takes effect (dynamo guards the layer's forward)."""
     import torch
     import torch._dynamo
     from nemo_automodel.components.distributed.recompute_replay import RecomputeReplayRecorder
@@ -354,6 +355,18 @@ def test_torch_compile_has_no_graph_break_at_our_op(upstream):
         assert "qsa.sparse_gqa_attention.default" in targets, targets
         torch._dynamo.reset()
     assert_same({k.replace("_orig_mod.", ""): v for k, v in got.items()}, want, "float32", "compiled")
+
+    # a layer compiled before the route is installed picks it up, and drops it on restore
+    compiled = torch.compile(layer, backend="aot_eager")
+    train_step(compiled, x, grad, **kwargs)
+    with OpCounter() as ops, upstream.use_qsa_torch(layer, backend="reference"):
+        got = train_step(compiled, x, grad, **kwargs)
+    assert ops.counts == {"sparse_gqa_attention": 1, "sparse_gqa_attention_backward": 1}, ops.counts
+    with OpCounter() as ops:
+        train_step(compiled, x, grad, **kwargs)
+    assert not ops.counts
+    torch._dynamo.reset()
+    assert_same({k.replace("_orig_mod.", ""): v for k, v in got.items()}, want, "float32", "compiled first")
 
 
 def test_dispatch_matches_float64_oracle(upstream):
