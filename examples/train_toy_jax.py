@@ -1,14 +1,15 @@
-"""Train a two-layer toy language model with QSA attention for a few steps on CPU.
+"""Train a two-layer toy language model built on the Qwen3.8-Flash-Next QSA layer on CPU.
 
-Each row packs two documents; each document repeats a random 4-token phrase,
-so after the first repeat the next token can be copied from 4 positions back,
-which only attention can do. The model is embeddings -> 2 x (RMSNorm ->
-QSAAttention -> residual -> RMSNorm -> MLP -> residual) -> RMSNorm -> logits,
-trained with optax Adam inside ``nnx.jit``. The indexer picks the routes
-(top_k = 4 blocks plus the causal tail); its own projections get no gradient
-(see ``qsa_jax.layers.QSAAttention``).
+Each training row packs four documents (``cu_seqlens``); each document repeats
+a random 4-token phrase, so after the first repeat the next token can be
+copied from 4 positions back, which only attention can do. The model is
+embeddings -> 2 x (RMSNorm -> QSAAttention -> residual -> RMSNorm -> MLP ->
+residual) -> RMSNorm -> logits, with ``qsa_jax.qwen3_8_flash_next.QSAAttention``
+at a toy size (its frozen indexer keeps 4 four-token blocks plus the causal
+tail). ``optax.adamw`` updates the ``nnx.Param`` weights only, inside
+``nnx.jit``; the indexer's frozen weights never change.
 
-    python examples/train_toy_jax.py --steps 30
+    python examples/train_toy_jax.py --steps 40
 """
 
 from __future__ import annotations
@@ -25,84 +26,88 @@ from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from qsa_jax.layers import QSAAttention  # noqa: E402
+from qsa_jax.qwen3_8_flash_next import QSAAttention, QSAConfig, rotary_freqs  # noqa: E402
 
-VOCAB, DIM, SEQ, BATCH, PHRASE = 16, 32, 64, 4, 4
+VOCAB, SEQ, DOCS, PHRASE = 16, 256, 8, 4
+CONFIG = QSAConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
+                   indexer_n_heads=2, indexer_head_dim=8, indexer_budget=16, indexer_compress_ratio=4,
+                   initializer_range=0.2, dtype="float32")
 
 
 class Block(nnx.Module):
     def __init__(self, *, rngs: nnx.Rngs, implementation=None):
-        self.norm1 = nnx.RMSNorm(DIM, rngs=rngs)
-        self.attn = QSAAttention(DIM, 4, 2, 8, top_k=4, index_heads=2, index_dim=8,
-                                 implementation=implementation, rngs=rngs)
-        self.norm2 = nnx.RMSNorm(DIM, rngs=rngs)
-        self.up = nnx.Linear(DIM, 4 * DIM, rngs=rngs)
-        self.down = nnx.Linear(4 * DIM, DIM, rngs=rngs)
+        dim = CONFIG.hidden_size
+        self.norm1 = nnx.RMSNorm(dim, rngs=rngs)
+        self.attn = QSAAttention(CONFIG, rngs=rngs, implementation=implementation)
+        self.norm2 = nnx.RMSNorm(dim, rngs=rngs)
+        self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
+        self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
 
-    def __call__(self, x, segment_ids):
-        x = x + self.attn(self.norm1(x), segment_ids=segment_ids)
+    def __call__(self, x, freqs_cis, cu_seqlens):
+        x = x + self.attn(self.norm1(x), freqs_cis=freqs_cis, cu_seqlens=cu_seqlens)
         return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
 
 
 class ToyModel(nnx.Module):
     def __init__(self, *, rngs: nnx.Rngs, implementation=None):
-        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        self.embed = nnx.Embed(VOCAB, CONFIG.hidden_size, rngs=rngs)
         self.block1 = Block(rngs=rngs, implementation=implementation)
         self.block2 = Block(rngs=rngs, implementation=implementation)
-        self.norm = nnx.RMSNorm(DIM, rngs=rngs)
-        self.head = nnx.Linear(DIM, VOCAB, rngs=rngs)
+        self.norm = nnx.RMSNorm(CONFIG.hidden_size, rngs=rngs)
+        self.head = nnx.Linear(CONFIG.hidden_size, VOCAB, rngs=rngs)
 
-    def __call__(self, tokens, segment_ids):
+    def __call__(self, tokens, positions, cu_seqlens):
+        freqs_cis = rotary_freqs(CONFIG, positions)
         x = self.embed(tokens)
-        x = self.block2(self.block1(x, segment_ids), segment_ids)
+        x = self.block2(self.block1(x, freqs_cis, cu_seqlens), freqs_cis, cu_seqlens)
         return self.head(self.norm(x))
 
 
 def make_batch(rng: np.random.Generator):
-    """``(tokens, segment_ids)`` [BATCH, SEQ]: two documents per row, each a repeated phrase."""
-    tokens = np.empty((BATCH, SEQ), dtype=np.int32)
-    segment_ids = np.empty((BATCH, SEQ), dtype=np.int32)
-    for b in range(BATCH):
-        cut = int(rng.integers(SEQ // 4, 3 * SEQ // 4))
-        for doc, (lo, hi) in enumerate(((0, cut), (cut, SEQ))):
-            phrase = rng.integers(0, VOCAB, PHRASE)
-            tokens[b, lo:hi] = np.resize(phrase, hi - lo)
-            segment_ids[b, lo:hi] = doc
-    return jnp.asarray(tokens), jnp.asarray(segment_ids)
+    """``(tokens [1, SEQ], positions [1, SEQ], cu_seqlens [DOCS + 1])``: DOCS repeated phrases
+    packed in one row; positions restart at every document."""
+    cuts = np.sort(rng.choice(np.arange(8, SEQ - 8), DOCS - 1, replace=False))
+    cu = np.concatenate([[0], cuts, [SEQ]]).astype(np.int32)
+    tokens = np.empty(SEQ, np.int32)
+    positions = np.empty(SEQ, np.int32)
+    for lo, hi in zip(cu[:-1], cu[1:]):
+        tokens[lo:hi] = np.resize(rng.integers(0, VOCAB, PHRASE), hi - lo)
+        positions[lo:hi] = np.arange(hi - lo)
+    return jnp.asarray(tokens[None]), jnp.asarray(positions[None]), jnp.asarray(cu)
 
 
-def loss_fn(model, tokens, segment_ids):
+def loss_fn(model, tokens, positions, cu_seqlens):
     """Mean next-token cross-entropy within documents."""
-    logits = model(tokens[:, :-1], segment_ids[:, :-1])
-    same_doc = segment_ids[:, 1:] == segment_ids[:, :-1]
+    logits = model(tokens, positions, cu_seqlens)[:, :-1]
+    same_doc = positions[:, 1:] > 0
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
     return jnp.sum(ce * same_doc) / jnp.sum(same_doc)
 
 
 @nnx.jit
-def train_step(model, optimizer, tokens, segment_ids):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, segment_ids)
+def train_step(model, optimizer, tokens, positions, cu_seqlens):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, positions, cu_seqlens)
     optimizer.update(model, grads)
     return loss
 
 
-def train(steps: int = 30, seed: int = 0, lr: float = 1e-2, implementation=None, verbose=False):
-    """Train for ``steps`` steps; return the list of training losses."""
+def train(steps: int = 40, seed: int = 0, lr: float = 1e-2, implementation=None, verbose=False,
+          return_model=False):
+    """Train for ``steps`` steps; return the list of training losses (and the model)."""
     rng = np.random.default_rng(seed)
     model = ToyModel(rngs=nnx.Rngs(seed), implementation=implementation)
-    optimizer = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, optax.adamw(lr, weight_decay=1e-4), wrt=nnx.Param)
     losses = []
     for step in range(steps):
-        tokens, segment_ids = make_batch(rng)
-        losses.append(float(train_step(model, optimizer, tokens, segment_ids)))
+        losses.append(float(train_step(model, optimizer, *make_batch(rng))))
         if verbose:
             print(f"step {step:3d}  loss {losses[-1]:.4f}")
-    return losses
+    return (losses, model) if return_model else losses
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-2)
     args = parser.parse_args(argv)

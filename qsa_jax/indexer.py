@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ import numpy as np
 from qsa_common.contract import resolve_scale
 from qsa_common.generators import qsa_width
 
-__all__ = ["qsa_indexer_routes", "block_keys", "document_starts"]
+__all__ = ["qsa_indexer_routes", "block_keys", "document_starts", "select_routes"]
 
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -101,28 +102,26 @@ def block_keys(index_key, step: int):
     return pooled[:, ::step]
 
 
-def _chunk_routes(q, kbar, cand, pos, start, valid, top_k, scale, aligned):
-    """Routes [B,c,4*top_k+4] int32 for one chunk of rows."""
+def _chunk_routes(q, kbar, cand, pos, start, valid, *, top_k, ratio, width, score):
+    """Routes ``[B, c, width]`` int32 for one chunk of query rows (see :func:`select_routes`)."""
     bsz, c = pos.shape
     local = pos - start
-    n_visible = jnp.where(valid, (local + 1) // 4, 0)
+    n_visible = jnp.where(valid, (local + 1) // ratio, 0)
     n_sel = jnp.minimum(n_visible, top_k)
     n_cand = cand.shape[0]
     if n_cand:
-        scores = jnp.einsum("bchd,bnd->bchn", q, kbar)
-        scores = jnp.sum(jnp.maximum(scores, 0), axis=2) * scale
-        scores = jnp.where(jnp.isnan(scores), 0.0, scores)
-        # candidate j is block (j - start) / 4 of the row's document: visible
+        dots = jnp.einsum("bchd,bnd->bchn", q, kbar, precision=jax.lax.Precision.HIGHEST)
+        scores = score(jnp.maximum(dots, 0))
+        # NaN counts as 0 and -0 as +0, so equal scores tie (lax.top_k orders -0 below +0)
+        scores = jnp.where(jnp.isnan(scores) | (scores == 0), 0.0, scores)
+        # candidate j is block (j - start) / ratio of the row's document: visible
         # when that is a whole number in [0, n_visible) (n_visible is 0 on padding)
         offset = cand[None, None, :] - start[:, :, None]
-        visible = (offset >= 0) & (offset < 4 * n_visible[:, :, None])
-        if not aligned:
-            visible = visible & (offset % 4 == 0)
-        keys = jnp.where(visible, scores, -1.0)
-        ids = jnp.broadcast_to(jnp.arange(n_cand, dtype=jnp.int32), keys.shape)
-        # lexicographic (score descending, candidate ascending): no reliance on stability
-        _, order = jax.lax.sort((-keys, ids), dimension=2, num_keys=2)
-        chosen = cand[order[..., :top_k]]
+        visible = (offset >= 0) & (offset < ratio * n_visible[:, :, None]) & (offset % ratio == 0)
+        keys = jnp.where(visible, scores, -jnp.inf)
+        # lax.top_k puts the lower index first among equal keys: (score desc, block asc)
+        _, order = jax.lax.top_k(keys, min(top_k, n_cand))
+        chosen = cand[order]
         if n_cand < top_k:
             chosen = jnp.pad(chosen, ((0, 0), (0, 0), (0, top_k - n_cand)))
     else:
@@ -131,30 +130,65 @@ def _chunk_routes(q, kbar, cand, pos, start, valid, top_k, scale, aligned):
     # unselected slots sort last; any value past the row length will do
     chosen = jnp.sort(jnp.where(slot < n_sel[..., None], chosen, 1 << 30), axis=-1)
     group = jnp.arange(top_k + 1)[:, None]
-    lane = jnp.arange(4)
+    lane = jnp.arange(ratio)
     firsts = jnp.concatenate([chosen, jnp.zeros((bsz, c, 1), chosen.dtype)], axis=-1)[..., None]
-    tail_start = (start + 4 * n_visible)[..., None, None]
-    tail_len = jnp.where(valid, local + 1 - 4 * n_visible, 0)[..., None, None]
+    tail_start = (start + ratio * n_visible)[..., None, None]
+    tail_len = jnp.where(valid, local + 1 - ratio * n_visible, 0)[..., None, None]
     ns = n_sel[..., None, None]
     routes = jnp.where(
         group < ns,
         firsts + lane,
         jnp.where((group == ns) & (lane < tail_len), tail_start + lane, -1),
     )
-    return routes.reshape(bsz, c, qsa_width(top_k)).astype(jnp.int32)
+    return routes.reshape(bsz, c, (top_k + 1) * ratio)[..., :width].astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "scale", "chunk_rows", "packed"))
-def _routes(index_query, index_key, lengths, segment_ids, *, top_k, scale, chunk_rows, packed):
+def select_routes(
+    index_query,
+    block_keys,
+    block_starts,
+    *,
+    positions,
+    doc_starts,
+    valid,
+    top_k: int,
+    ratio: int,
+    width: int,
+    score: Callable,
+    chunk_rows: int | None = None,
+):
+    """The block selection shared by every QSA indexer of this package (traceable).
+
+    Query row ``(b, i)`` sits at K/V position ``p = positions[b, i]`` of a
+    document starting at ``s = doc_starts[b, i]``; it sees the
+    ``v = (p - s + 1) // ratio`` complete blocks starting at ``s, s + ratio,
+    ...`` (none when ``valid`` is False). Candidate ``n`` is the block starting
+    at ``block_starts[n]`` with compressed key ``block_keys[:, n]``. The score of
+    a candidate is ``score(relu(index_query[b, i, h] . block_keys[b, n]))`` (the
+    callable reduces the head axis). The ``min(v, top_k)`` best visible blocks
+    are kept (ties: the smaller block start), ``ratio`` IDs each, in ascending
+    order, followed by the causal tail ``s + ratio * v .. p`` and -1 padding.
+
+    Args:
+        index_query: ``[B, S_q, H, D]`` float, in the score dtype.
+        block_keys: ``[B, N, D]`` float, same dtype.
+        block_starts: ``[N]`` int32 K/V position of each candidate's first token.
+        positions, doc_starts: ``[B, S_q]`` int32; ``valid``: ``[B, S_q]`` bool.
+        top_k: blocks kept per row; ratio: tokens per block (both static).
+        width: route width (static), at most ``(top_k + 1) * ratio``.
+        score: ``[B, c, H, N]`` relu'd per-head dot products -> ``[B, c, N]`` scores.
+        chunk_rows: query rows per chunk (default: ~64 MB of scores per chunk).
+
+    Returns:
+        int32 ``[B, S_q, width]`` routes in K/V positions.
+    """
     bsz, seq, heads, _ = index_query.shape
-    start, valid = document_starts(bsz, seq, lengths=lengths, segment_ids=segment_ids)
-    step = 1 if packed else 4
-    kbar = block_keys(index_key, step)
-    cand = jnp.arange(0, max(0, seq - 3), step, dtype=jnp.int32)
-    q = index_query.astype(kbar.dtype)
-    pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (bsz, seq))
+    n_cand = block_starts.shape[0]
+    if chunk_rows is None:
+        chunk_rows = max(1, _CHUNK_ELEMENTS // max(1, bsz * heads * n_cand))
+    body = functools.partial(_chunk_routes, top_k=top_k, ratio=ratio, width=width, score=score)
     if chunk_rows >= seq:
-        return _chunk_routes(q, kbar, cand, pos, start, valid, top_k, scale, not packed)
+        return body(index_query, block_keys, block_starts, positions, doc_starts, valid)
     n_chunks = -(-seq // chunk_rows)
     pad = n_chunks * chunk_rows - seq
 
@@ -162,9 +196,26 @@ def _routes(index_query, index_key, lengths, segment_ids, *, top_k, scale, chunk
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
         return x.reshape((bsz, n_chunks, chunk_rows) + x.shape[2:]).swapaxes(0, 1)
 
-    body = lambda a: _chunk_routes(a[0], kbar, cand, a[1], a[2], a[3], top_k, scale, not packed)  # noqa: E731
-    out = jax.lax.map(body, (split(q, 0), split(pos, 0), split(start, 0), split(valid, False)))
-    return out.swapaxes(0, 1).reshape(bsz, n_chunks * chunk_rows, -1)[:, :seq]
+    out = jax.lax.map(
+        lambda a: body(a[0], block_keys, block_starts, a[1], a[2], a[3]),
+        (split(index_query, 0), split(positions, 0), split(doc_starts, 0), split(valid, False)),
+    )
+    return out.swapaxes(0, 1).reshape(bsz, n_chunks * chunk_rows, width)[:, :seq]
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "scale", "chunk_rows", "packed"))
+def _routes(index_query, index_key, lengths, segment_ids, *, top_k, scale, chunk_rows, packed):
+    bsz, seq, _, _ = index_query.shape
+    start, valid = document_starts(bsz, seq, lengths=lengths, segment_ids=segment_ids)
+    step = 1 if packed else 4
+    kbar = block_keys(index_key, step)
+    cand = jnp.arange(0, max(0, seq - 3), step, dtype=jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (bsz, seq))
+    return select_routes(
+        index_query.astype(kbar.dtype), kbar, cand, positions=pos, doc_starts=start, valid=valid,
+        top_k=top_k, ratio=4, width=qsa_width(top_k), score=lambda r: jnp.sum(r, axis=2) * scale,
+        chunk_rows=chunk_rows,
+    )
 
 
 def qsa_indexer_routes(

@@ -1,16 +1,19 @@
-"""Flax (nnx) QSA attention: projections, GQA, RoPE, QK-norm, indexer, sparse attention.
+"""Functional building blocks of the Flax QSA layer (:mod:`qsa_jax.qwen3_8_flash_next`).
 
-* :func:`qsa_attention`: the functional form. Hidden states, a dict of weights
-  and routes you bring yourself -> attention output.
-* :class:`QSAAttention`: an ``nnx.Module`` owning those weights plus a small
-  route indexer (:func:`qsa_jax.indexer.qsa_indexer_routes`); it picks the
-  routes and then calls :func:`qsa_attention`. Works under ``nnx.jit``,
-  ``nnx.grad`` and an ``optax`` step through ``nnx.Optimizer``.
+* :func:`rms_norm`: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in float32, cast
+  back to ``x``'s dtype (the zero-centred weight of Qwen3-Next).
+* :func:`rotary_table` / :func:`apply_rotary`: ``freqs_cis = cat(cos, sin)``
+  over the first ``r`` channels, rotate-half on those channels only, in the
+  tensor's own dtype with every product and sum rounded to it (16-bit models
+  round after each operation, as PyTorch's eager and compiled RoPE do).
+* :func:`qsa_attention`: the gated attention block on hidden states and routes
+  brought by the caller: interleaved query/gate projection, QK RMSNorm,
+  partial RoPE, :func:`qsa_jax.sparse_gqa_attention` (or any
+  ``attention_fn``, e.g. the context-parallel shard body), sigmoid output gate,
+  output projection.
 
-Both end in ``qsa_jax.sparse_gqa_attention(..., implementation=...)``
-(``implementation=None`` picks the default for the device) or in any
-``attention_fn(query, key, value, routes, scale)`` you pass, for example a
-context-parallel wrapper.
+Arithmetic follows the dtypes of the inputs: projections are matmuls in the
+parameter dtype (float32 at ``Precision.HIGHEST``), norm statistics float32.
 """
 
 from __future__ import annotations
@@ -19,57 +22,110 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from .attention import sparse_gqa_attention
 from .routes import prepare_routes
-from .indexer import document_starts, qsa_indexer_routes
 
-__all__ = ["QSAAttention", "qsa_attention", "apply_rope", "rms_norm"]
+__all__ = ["apply_rotary", "qsa_attention", "rms_norm", "rotary_table", "rounded", "matmul"]
 
 
-def rms_norm(x, weight, eps: float = 1e-6):
-    """RMS norm over the last axis (float32 statistics), times ``weight`` [D]."""
+def rounded(x, dtype):
+    """float32 ``x`` rounded to ``dtype``'s precision (kept float32); exact for 32/64-bit.
+
+    ``lax.reduce_precision`` survives XLA's excess-precision rewrites, so a
+    chain of 16-bit operations rounds after each step on every backend."""
+    info = jnp.finfo(dtype)
+    if info.bits >= 32:
+        return x
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def matmul(x, weight):
+    """``x [..., in] @ weight [in, out]`` in the weight's dtype (float32: full precision)."""
+    dtype = weight.dtype
+    precision = jax.lax.Precision.HIGHEST if jnp.finfo(dtype).bits >= 32 else None
+    return jnp.matmul(x.astype(dtype), weight, precision=precision)
+
+
+def rms_norm(x, weight, eps: float):
+    """Zero-centred RMSNorm over the last axis.
+
+    Args:
+        x: ``[..., D]`` float.
+        weight: ``[D]``; the scale is ``1 + weight`` (initialised to zeros).
+        eps: added to the mean square.
+
+    Returns:
+        ``[..., D]`` in ``x``'s dtype; statistics and products in float32.
+    """
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def apply_rope(x, positions, theta: float):
-    """Rotary embedding (rotate-half form) of ``x`` [B,S,H,D] at ``positions`` [B,S]."""
+def rotary_table(positions, *, rotary_dim: int, theta: float, dtype=jnp.float32):
+    """``freqs_cis`` for integer ``positions``: ``[..., rotary_dim]`` = ``cat(cos, sin)``.
+
+    Angles are ``position * inv_freq`` in float32 with
+    ``inv_freq[j] = 1 / theta ** (2j / rotary_dim)``; cos and sin are taken in
+    float32 and then cast to ``dtype`` (the model dtype).
+    """
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even and positive, got {rotary_dim}")
+    exponent = jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim
+    inv_freq = 1.0 / (jnp.float32(theta) ** exponent)
+    angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * inv_freq
+    return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1).astype(dtype)
+
+
+def apply_rotary(x, freqs_cis):
+    """Rotate-half RoPE on the first ``r`` channels of ``x``; the rest pass through.
+
+    Args:
+        x: ``[B, S, H, D]`` float.
+        freqs_cis: ``[B, S, r]`` (or broadcastable to it) holding ``cat(cos, sin)``,
+            ``r`` even and at most ``D``; cast to ``x``'s dtype first.
+
+    Returns:
+        ``[B, S, H, D]`` in ``x``'s dtype: ``(x1 cos - x2 sin, x2 cos + x1 sin, x_pass)``
+        with ``x1, x2`` the two halves of the rotated channels, each product and
+        sum rounded to ``x``'s dtype.
+    """
+    r = freqs_cis.shape[-1]
     d = x.shape[-1]
-    if d % 2:
-        raise ValueError(f"RoPE needs an even head dim, got {d}")
-    freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
-    angle = positions.astype(jnp.float32)[..., None, None] * freq  # [B,S,1,D/2]
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    if r < 2 or r % 2 or r > d:
+        raise ValueError(f"freqs_cis width {r} must be even, positive and at most the head dim {d}")
+    dtype = x.dtype
+    half = r // 2
+    table = freqs_cis.astype(dtype).astype(jnp.float32)[..., None, :]
+    cos, sin = table[..., :half], table[..., half:]
     x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., : d // 2], x32[..., d // 2 :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    x1, x2 = x32[..., :half], x32[..., half:r]
+    o1 = rounded(rounded(x1 * cos, dtype) - rounded(x2 * sin, dtype), dtype)
+    o2 = rounded(rounded(x2 * cos, dtype) + rounded(x1 * sin, dtype), dtype)
+    return jnp.concatenate([o1.astype(dtype), o2.astype(dtype), x[..., r:]], axis=-1)
 
 
-def _check_params(x, params, num_heads, num_kv_heads):
+_PARAMS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+
+
+def _check_params(x, params, num_heads, num_kv_heads, head_dim):
     if len(getattr(x, "shape", ())) != 3:
-        raise ValueError(f"x must be [B, S, model_dim], got shape {getattr(x, 'shape', None)}")
-    missing = [n for n in ("q", "k", "v", "o") if n not in params]
+        raise ValueError(f"x must be [B, S, hidden], got shape {getattr(x, 'shape', None)}")
+    missing = [n for n in _PARAMS if n not in params]
     if missing:
-        raise ValueError(f"params is missing {missing} (needs q, k, v, o)")
+        raise ValueError(f"params is missing {missing} (needs {', '.join(_PARAMS)})")
     if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(
             f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
         )
-    model_dim = x.shape[-1]
-    q_out = params["q"].shape[-1]
-    if params["q"].shape[0] != model_dim or q_out % num_heads:
-        raise ValueError(f"params['q'] must be [{model_dim}, num_heads * D], got {params['q'].shape}")
-    head_dim = q_out // num_heads
-    for name, shape in (("k", (model_dim, num_kv_heads * head_dim)),
-                        ("v", (model_dim, num_kv_heads * head_dim)),
-                        ("o", (num_heads * head_dim, model_dim)),
-                        ("q_norm", (head_dim,)), ("k_norm", (head_dim,))):
-        if name in params and params[name] is not None and tuple(params[name].shape) != shape:
-            raise ValueError(f"params[{name!r}] must have shape {list(shape)}, got {params[name].shape}")
-    return head_dim
+    m = x.shape[-1]
+    shapes = {"q_proj": (m, 2 * num_heads * head_dim), "k_proj": (m, num_kv_heads * head_dim),
+              "v_proj": (m, num_kv_heads * head_dim), "o_proj": (num_heads * head_dim, m),
+              "q_norm": (head_dim,), "k_norm": (head_dim,)}
+    for name, shape in shapes.items():
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"params[{name!r}] must have shape {list(shape)}, got {list(params[name].shape)}")
 
 
 def qsa_attention(
@@ -77,157 +133,48 @@ def qsa_attention(
     params: Mapping[str, jax.Array],
     selected_token_ids,
     *,
+    freqs_cis,
     num_heads: int,
     num_kv_heads: int,
-    positions=None,
-    rope_theta: float | None = None,
-    norm_eps: float = 1e-6,
-    softmax_scale: float | None = None,
+    head_dim: int,
+    eps: float = 1e-6,
     implementation: str | Sequence[str] | None = None,
     attention_fn: Callable | None = None,
 ):
-    """QSA attention block on hidden states, with routes given by the caller.
+    """The gated QSA attention block, routes given by the caller.
 
     Args:
         x: ``[B, S, M]`` hidden states.
-        params: ``"q"`` ``[M, Hq*D]``, ``"k"`` and ``"v"`` ``[M, Hkv*D]``, ``"o"``
-            ``[Hq*D, M]``; optional ``"q_norm"`` / ``"k_norm"`` ``[D]`` RMS-norm
-            weights (QK-norm, applied per head before RoPE).
-        selected_token_ids: ``[B, S, K]`` int routes into ``[0, S)`` (any
-            contract-valid routes; the QSA format is not required).
-        num_heads, num_kv_heads: Hq and Hkv (GQA: Hq a multiple of Hkv).
-        positions: ``[B, S]`` RoPE positions (default ``arange(S)``).
-        rope_theta: RoPE base; ``None`` disables RoPE.
-        norm_eps: QK-norm epsilon.
-        softmax_scale: attention scale, default ``1/sqrt(D)``.
+        params: ``q_proj`` ``[M, 2*Hq*D]`` (per head: D query columns, then D
+            gate columns), ``k_proj`` / ``v_proj`` ``[M, Hkv*D]``, ``o_proj``
+            ``[Hq*D, M]`` (``[in, out]`` layout), ``q_norm`` / ``k_norm`` ``[D]``.
+            Projections run in ``q_proj``'s dtype.
+        selected_token_ids: ``[B, S, K]`` int routes into the K/V rows.
+        freqs_cis: ``[B, S, r]`` rotary table (see :func:`apply_rotary`).
+        num_heads, num_kv_heads, head_dim: Hq, Hkv, D.
+        eps: RMSNorm epsilon.
         implementation: passed to :func:`qsa_jax.sparse_gqa_attention`.
-        attention_fn: replaces that call: ``fn(query, key, value, routes, scale)``.
+        attention_fn: replaces that call: ``fn(query, key, value, routes, scale)``
+            (e.g. a context-parallel body that gathers K/V first).
 
     Returns:
-        ``[B, S, M]``; rows without routes (padding) are exactly zero.
+        ``[B, S, M]`` in the projection dtype; rows without routes are exactly 0.
     """
-    head_dim = _check_params(x, params, num_heads, num_kv_heads)
+    _check_params(x, params, num_heads, num_kv_heads, head_dim)
     bsz, seq, _ = x.shape
-    dtype = jnp.result_type(x, params["q"])
-    x = x.astype(dtype)
-    q = (x @ params["q"].astype(dtype)).reshape(bsz, seq, num_heads, head_dim)
-    k = (x @ params["k"].astype(dtype)).reshape(bsz, seq, num_kv_heads, head_dim)
-    v = (x @ params["v"].astype(dtype)).reshape(bsz, seq, num_kv_heads, head_dim)
-    if params.get("q_norm") is not None:
-        q = rms_norm(q, params["q_norm"], norm_eps)
-    if params.get("k_norm") is not None:
-        k = rms_norm(k, params["k_norm"], norm_eps)
-    if rope_theta is not None:
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(seq), (bsz, seq))
-        q, k = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
-    # on the host, before JAX sees them: int64 IDs past int32 are padding, not wrapped
+    dtype = params["q_proj"].dtype
+    query_gate = matmul(x, params["q_proj"]).reshape(bsz, seq, num_heads, 2 * head_dim)
+    query, gate = query_gate[..., :head_dim], query_gate[..., head_dim:]
+    key = matmul(x, params["k_proj"]).reshape(bsz, seq, num_kv_heads, head_dim)
+    value = matmul(x, params["v_proj"]).reshape(bsz, seq, num_kv_heads, head_dim)
+    query = apply_rotary(rms_norm(query, params["q_norm"], eps), freqs_cis)
+    key = apply_rotary(rms_norm(key, params["k_norm"], eps), freqs_cis)
     routes = prepare_routes(selected_token_ids)
+    scale = head_dim ** -0.5
     if attention_fn is None:
-        out = sparse_gqa_attention(q, k, v, routes, softmax_scale, implementation=implementation)
+        out = sparse_gqa_attention(query, key, value, routes, scale, implementation=implementation)
     else:
-        out = attention_fn(q, k, v, routes, softmax_scale)
-    return out.reshape(bsz, seq, num_heads * head_dim) @ params["o"].astype(dtype)
-
-
-class QSAAttention(nnx.Module):
-    """QSA attention layer: Q/K/V/O projections, GQA, optional RoPE and QK-norm,
-    a route indexer, and route-sparse attention.
-
-    The indexer has its own projections: ``index_heads`` queries of
-    ``index_dim`` per token and one key per token; it keeps ``top_k`` four-token
-    blocks per token (routes of width ``4 * top_k + 4``, CONTRACT.md's QSA format).
-
-    Training the indexer: top-k selection is discrete, so the routes are under
-    ``stop_gradient`` and the loss gives the indexer projections an exact zero
-    gradient. They keep their initial (or loaded) values unless you train them
-    with an objective of your own on :meth:`index_projections` (for instance a
-    distillation loss towards the attention's block weights); an optimizer with
-    weight decay would shrink them, so exclude them from ``wrt`` if you want them
-    frozen. The Q/K/V/O and norm weights train normally.
-
-    Call with ``lengths`` (padded rows) or ``segment_ids`` (packed documents;
-    RoPE positions then restart at each document), or pass
-    ``selected_token_ids`` to bypass the indexer.
-    """
-
-    def __init__(
-        self,
-        model_dim: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        top_k: int,
-        index_heads: int = 4,
-        index_dim: int = 32,
-        rope_theta: float | None = 10000.0,
-        qk_norm: bool = True,
-        norm_eps: float = 1e-6,
-        softmax_scale: float | None = None,
-        implementation: str | Sequence[str] | None = None,
-        param_dtype=jnp.float32,
-        rngs: nnx.Rngs,
-    ):
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-            )
-        if top_k < 1:
-            raise ValueError(f"top_k must be positive, got {top_k}")
-
-        def linear(n_in, n_out):
-            return nnx.Linear(n_in, n_out, use_bias=False, param_dtype=param_dtype, rngs=rngs)
-
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.top_k, self.index_heads, self.index_dim = int(top_k), index_heads, index_dim
-        self.rope_theta, self.norm_eps, self.softmax_scale = rope_theta, norm_eps, softmax_scale
-        self.implementation = (
-            tuple(implementation) if isinstance(implementation, (list, tuple)) else implementation
-        )
-        self.q_proj = linear(model_dim, num_heads * head_dim)
-        self.k_proj = linear(model_dim, num_kv_heads * head_dim)
-        self.v_proj = linear(model_dim, num_kv_heads * head_dim)
-        self.o_proj = linear(num_heads * head_dim, model_dim)
-        self.q_norm = nnx.Param(jnp.ones(head_dim, param_dtype)) if qk_norm else None
-        self.k_norm = nnx.Param(jnp.ones(head_dim, param_dtype)) if qk_norm else None
-        self.index_q = linear(model_dim, index_heads * index_dim)
-        self.index_k = linear(model_dim, index_dim)
-
-    def projection_params(self) -> dict[str, jax.Array]:
-        """The weights :func:`qsa_attention` takes, as a dict of arrays."""
-        params = {name: getattr(self, f"{name}_proj").kernel[...] for name in "qkvo"}
-        if self.q_norm is not None:
-            params["q_norm"], params["k_norm"] = self.q_norm[...], self.k_norm[...]
-        return params
-
-    def index_projections(self, x):
-        """Indexer queries ``[B,S,index_heads,index_dim]`` and keys ``[B,S,index_dim]``
-        (differentiable: the hook for an auxiliary indexer loss)."""
-        bsz, seq, _ = x.shape
-        return (self.index_q(x).reshape(bsz, seq, self.index_heads, self.index_dim),
-                self.index_k(x))
-
-    def routes(self, x, *, lengths=None, segment_ids=None):
-        """int32 ``[B, S, 4 * top_k + 4]`` QSA routes picked by the indexer (no gradient)."""
-        qi, ki = self.index_projections(x)
-        return qsa_indexer_routes(qi, ki, self.top_k, lengths=lengths, segment_ids=segment_ids)
-
-    def __call__(self, x, *, lengths=None, segment_ids=None, positions=None, selected_token_ids=None):
-        """``x`` [B, S, model_dim] -> [B, S, model_dim].
-
-        ``positions`` defaults to the position within the row (within the
-        document when ``segment_ids`` is given).
-        """
-        if selected_token_ids is None:
-            selected_token_ids = self.routes(x, lengths=lengths, segment_ids=segment_ids)
-        if positions is None and self.rope_theta is not None:
-            bsz, seq, _ = x.shape
-            start, _ = document_starts(bsz, seq, segment_ids=segment_ids)
-            positions = jnp.arange(seq)[None, :] - start
-        return qsa_attention(
-            x, self.projection_params(), selected_token_ids,
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, positions=positions,
-            rope_theta=self.rope_theta, norm_eps=self.norm_eps,
-            softmax_scale=self.softmax_scale, implementation=self.implementation,
-        )
+        out = attention_fn(query, key, value, routes, scale)
+    gate32 = rounded(jax.nn.sigmoid(gate.astype(jnp.float32)), dtype)
+    gated = rounded(out.astype(jnp.float32).reshape(gate32.shape) * gate32, dtype).astype(dtype)
+    return matmul(gated.reshape(bsz, seq, num_heads * head_dim), params["o_proj"])

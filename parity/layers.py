@@ -1,0 +1,590 @@
+"""The Flax port of Qwen3.8-Flash-Next's QSA layer against the installed PyTorch model.
+
+``python -m parity --layers`` (and the small case inside plain ``python -m
+parity``) builds the upstream layer (nemo-automodel's
+``Qwen3_8_FlashNextQSAAttention``) with random weights, copies its state dict
+into :class:`qsa_jax.qwen3_8_flash_next.QSAAttention` and feeds both the same
+hidden states and the same ``freqs_cis`` (from the upstream rotary
+embedding). Hidden states are either locally correlated along the sequence (an
+AR(1) walk, so neighbouring rows pick overlapping blocks as a trained model's
+do) or plain noise. Per case it reports:
+
+* route agreement: rows whose route sets are identical; every other row must
+  differ only among blocks whose upstream scores equal the score at the top-k
+  cut (the upstream scores are the very tensors its ``torch.topk`` ranked,
+  captured during its forward); anything else is unexplained and fails;
+* forced routes: the port run on the upstream routes: output, input gradient
+  and every trainable parameter's gradient against upstream at the contract's
+  tolerance (float32 1e-5, bfloat16 1e-2, relative L2);
+* free running: each side on its own routes; output rows with identical
+  routes are held to the tolerance, the tie rows are named.
+
+Layouts: right-padded batch (ragged lengths, an all-padding row), packed row
+(``cu_seqlens``, documents shorter than a block), context parallel (the port
+on a 2-device mesh against the upstream single-process result; on a CPU
+machine in a subprocess with two host devices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["LayerCase", "default_cases", "run_case", "run_layers", "summary_lines", "SMALL_CONFIG"]
+
+SMALL_CONFIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    indexer_n_heads=2, indexer_head_dim=32, indexer_budget=32, indexer_compress_ratio=4)
+REAL_CONFIG: dict = {}  # the upstream defaults: hidden 2560, 24/2 heads, D 256, indexer 4 x 128, budget 2048
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
+TRAINABLE = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight",
+             "k_norm.weight")
+ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10]}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCase:
+    """One comparison: ``layout`` padded/packed/cp, ``dtype`` float32/bfloat16,
+    ``hidden`` correlated/noise; ``lengths`` are the padded rows' lengths or the
+    packed documents' lengths (their sum may be < ``seq_len`` under CP: padding tail)."""
+
+    layout: str
+    dtype: str
+    hidden: str
+    seq_len: int
+    lengths: tuple[int, ...]
+    config: str = "small"
+    world_size: int = 2
+
+    def label(self) -> str:
+        return f"{self.config}/{self.layout}/{self.dtype}/{self.hidden}/S={self.seq_len}"
+
+
+def default_cases(config: str = "small", dtypes=("float32", "bfloat16"), seq_len: int | None = None):
+    """The CPU matrix (small config): every layout x dtype x hidden-state kind.
+
+    Padded: S = 301 (not a multiple of 4), lengths (301, 174, 0); packed: documents
+    of 3, 150, 2 and 146 tokens; CP: S = 296 on 2 devices, padded (296, 203) and
+    packed (5, 170, 121) crossing the shard boundary. ``config="real"`` gives the
+    H200 cases (S = 8192 or ``seq_len``, one padded row and one packed row).
+    """
+    cases = []
+    if config == "real":
+        s = seq_len or 8192
+        docs = (s // 3 + 1, 2, s - s // 3 - 3)
+        for dtype in dtypes:
+            cases.append(LayerCase("padded", dtype, "correlated", s, (s,), "real"))
+            cases.append(LayerCase("packed", dtype, "noise", s, docs, "real"))
+        return cases
+    for dtype in dtypes:
+        for hidden in ("correlated", "noise"):
+            cases.append(LayerCase("padded", dtype, hidden, 301, (301, 174, 0)))
+            cases.append(LayerCase("packed", dtype, hidden, 301, (3, 150, 2, 146)))
+            cases.append(LayerCase("cp", dtype, hidden, 296, (296, 203)))
+        cases.append(LayerCase("cp", dtype, "correlated", 296, (5, 170, 121)))
+    return cases
+
+
+# --------------------------------------------------------------------------- inputs
+def _config_kwargs(case: LayerCase) -> dict:
+    return dict(SMALL_CONFIG if case.config == "small" else REAL_CONFIG)
+
+
+def hidden_states(rng: np.random.Generator, shape, kind: str) -> np.ndarray:
+    """float32 ``[B, S, M]``: iid N(0, 1) (``noise``) or an AR(1) walk along S with
+    correlation 0.98 per step and unit variance (``correlated``)."""
+    noise = rng.standard_normal(shape).astype(np.float32)
+    if kind == "noise":
+        return noise
+    if kind != "correlated":
+        raise ValueError(f"hidden kind must be correlated or noise, got {kind!r}")
+    a = 0.98
+    out = np.empty_like(noise)
+    out[:, 0] = noise[:, 0]
+    for t in range(1, shape[1]):
+        out[:, t] = a * out[:, t - 1] + np.sqrt(1 - a * a) * noise[:, t]
+    return out
+
+
+def _packed(case: LayerCase) -> bool:
+    return case.layout == "packed" or (case.layout == "cp" and len(case.lengths) != 2)
+
+
+def _layout_inputs(case: LayerCase):
+    """``(batch, attention_mask [B,S] or None, cu_seqlens or None, positions [B,S])``."""
+    s = case.seq_len
+    if _packed(case):
+        cu = np.concatenate([[0], np.cumsum(case.lengths)]).astype(np.int64)
+        pos = np.zeros(s, np.int64)
+        for lo, hi in zip(cu[:-1], cu[1:]):
+            pos[lo:hi] = np.arange(hi - lo)
+        return 1, None, cu, pos[None]
+    mask = (np.arange(s)[None] < np.asarray(case.lengths)[:, None]).astype(np.int64)
+    return len(case.lengths), mask, None, np.broadcast_to(np.arange(s), mask.shape).copy()
+
+
+# --------------------------------------------------------------------------- upstream
+def upstream_layer(case: LayerCase, seed: int, device: str = "cpu"):
+    """``(layer, rotary)``: the upstream layer with random weights (linears ~N(0, 0.02),
+    every RMSNorm weight ~U(-0.5, 0.5) so ``1 + w`` matters) and its rotary embedding."""
+    import torch
+    from nemo_automodel.components.models.qwen3_5_moe.model import Fp32SafeQwen3_5MoeTextRotaryEmbedding
+    from nemo_automodel.components.models.qwen3_8_flash_next.backend import Qwen3_8_FlashNextBackendConfig
+    from nemo_automodel.components.models.qwen3_8_flash_next.config import Qwen3_8_FlashNextTextConfig
+    from nemo_automodel.components.models.qwen3_8_flash_next.layers import Qwen3_8_FlashNextQSAAttention
+
+    config = Qwen3_8_FlashNextTextConfig(num_hidden_layers=4, rope_parameters=dict(ROPE), dtype=case.dtype,
+                                         **_config_kwargs(case))
+    backend = Qwen3_8_FlashNextBackendConfig(attn="flex", linear="torch")
+    layer = Qwen3_8_FlashNextQSAAttention(config, 3, backend)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            else:
+                p.copy_(torch.rand(p.shape, generator=gen) - 0.5)
+    return layer.to(device), Fp32SafeQwen3_5MoeTextRotaryEmbedding(config=config).to(device), config
+
+
+def upstream_freqs(rotary, positions: np.ndarray, dtype: str, device: str):
+    """``freqs_cis`` as the upstream model builds it for text positions ``[B, S]``."""
+    import torch
+
+    pos = torch.as_tensor(positions, device=device)
+    probe = torch.empty(0, dtype=getattr(torch, dtype), device=device)
+    cos, sin = rotary(probe, pos.unsqueeze(0).expand(3, -1, -1))
+    half = cos.shape[-1] // 2
+    return torch.cat([cos[..., :half], sin[..., :half]], dim=-1)
+
+
+@contextlib.contextmanager
+def captured_scores():
+    """Record the score tensors the upstream indexer hands to ``torch.topk``, per
+    ``select_qsa_token_ids`` call (with that call's lengths and query offset)."""
+    import torch
+    from nemo_automodel.components.models.qwen3_8_flash_next import qsa
+
+    calls: list[dict] = []
+    select, topk = qsa.select_qsa_token_ids, torch.topk
+
+    def recording_select(index_queries, compressed_keys, sequence_lengths, **kw):
+        calls.append({"lengths": [int(v) for v in sequence_lengths.tolist()], "rows": index_queries.shape[1],
+                      "offset": int(kw.get("query_position_offset", 0)), "ratio": kw["compress_ratio"],
+                      "top_k": kw["token_budget"] // kw["compress_ratio"], "scores": []})
+        return select(index_queries, compressed_keys, sequence_lengths, **kw)
+
+    def recording_topk(scores, *args, **kw):
+        if calls:
+            calls[-1]["scores"].append(scores.detach().float().cpu().numpy())
+        return topk(scores, *args, **kw)
+
+    qsa.select_qsa_token_ids, torch.topk = recording_select, recording_topk
+    try:
+        yield calls
+    finally:
+        qsa.select_qsa_token_ids, torch.topk = select, topk
+
+
+def scores_by_row(call: dict) -> dict[tuple[int, int], np.ndarray]:
+    """``{(pseudo-batch row, position): scores over its blocks}`` of one recorded call.
+
+    The upstream selection scores, per pseudo-batch row in order, the rows at
+    positions ``first_sparse .. offset + valid - 1`` in ascending chunks; the
+    recorded tensors are cut back into rows on that rule (and checked against it).
+    """
+    ratio, top_k, offset = call["ratio"], call["top_k"], call["offset"]
+    first_sparse = (top_k + 1) * ratio - 1
+    rows = [row for tensor in call["scores"] for row in tensor]
+    out, used = {}, 0
+    for b, length in enumerate(call["lengths"]):
+        valid = min(max(length - offset, 0), call["rows"])
+        if valid == 0 or length // ratio == 0:
+            continue
+        for p in range(max(first_sparse, offset), offset + valid):
+            if used >= len(rows):
+                raise AssertionError("fewer recorded score rows than sparse query rows")
+            score = rows[used]
+            visible = (p + 1) // ratio
+            if not (np.isfinite(score[:visible]).all() and np.isneginf(score[visible:]).all()):
+                raise AssertionError(f"recorded scores of row {b}, position {p} do not match its visibility")
+            out[(b, p)] = score
+            used += 1
+    if used != len(rows):
+        raise AssertionError(f"{len(rows)} recorded score rows, {used} sparse query rows")
+    return out
+
+
+def run_upstream(layer, x, freqs, mask, cu, cotangent):
+    """``(routes, out, dx, {name: grad}, score calls)`` of the upstream layer (float32 numpy
+    results); the routes are the indexer's, trimmed as the layer trims them."""
+    import torch
+
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    kwargs = {"attention_mask": mask} if cu is None else {"cu_seqlens": cu}
+    with captured_scores() as calls, torch.no_grad():
+        full = layer.indexer(x, freqs_cis=freqs, **kwargs)
+    width = min(full.shape[-1], int(torch.diff(cu).max()) if cu is not None else x.shape[1])
+    out = layer(x, freqs_cis=freqs, **kwargs)
+    (out.float() * cotangent).sum().backward()
+    grads = {n: p.grad.float().cpu().numpy() for n, p in layer.named_parameters() if p.requires_grad}
+    return (full[..., :width].cpu().numpy(), out.detach().float().cpu().numpy(), x.grad.float().cpu().numpy(),
+            grads, calls)
+
+
+# --------------------------------------------------------------------------- the port
+def port_layer(upstream, case: LayerCase, implementation=None):
+    """The nnx layer with the upstream weights loaded (bit for bit)."""
+    from flax import nnx
+
+    from qsa_jax.qwen3_8_flash_next import QSAAttention, QSAConfig, load_torch_state_dict
+
+    config = QSAConfig(dtype=case.dtype, **_config_kwargs(case))
+    layer = QSAAttention(config, rngs=nnx.Rngs(0), implementation=implementation)
+    load_torch_state_dict(layer, upstream.state_dict())
+    return layer
+
+
+def _port_step(mesh, kind: str):
+    """Jitted port functions, one per (mesh, kind) so cases of the same shapes share
+    compilations: ``routes`` ``(layer, x, freqs, mask, cu_seqlens) -> routes``, and
+    ``free`` / ``forced`` ``(layer, x, freqs, cotangent, mask, cu_seqlens, routes) ->
+    ((loss, out), (grads, dx))``. Layout arrays and routes are arguments, never
+    constants (XLA would spend seconds folding them)."""
+    key = (id(mesh), kind)
+    if key not in _STEPS:
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from qsa_jax.qwen3_8_flash_next import context_parallel_qsa_attention, context_parallel_qsa_indexer
+
+        forced = kind == "forced"
+        if kind == "routes":
+            def routes_fn(layer, x, freqs, mask, cu):
+                if mesh is None:
+                    return layer.indexer(x, freqs_cis=freqs, attention_mask=mask, cu_seqlens=cu)
+                return context_parallel_qsa_indexer(layer.indexer, x, freqs_cis=freqs, mesh=mesh,
+                                                    attention_mask=mask, cu_seqlens=cu)
+
+            _STEPS[key] = (nnx.jit(routes_fn), mesh)
+            return _STEPS[key][0]
+
+        def loss(layer, x, freqs, g, mask, cu, routes):
+            kwargs = dict(freqs_cis=freqs, attention_mask=mask, cu_seqlens=cu,
+                          selected_token_ids=routes if forced else None)
+            if mesh is None:
+                out = layer(x, **kwargs)
+            else:
+                out = context_parallel_qsa_attention(layer, x, mesh=mesh, **kwargs)
+            return jnp.sum(out.astype(jnp.float32) * g), out
+
+        grad = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+        _STEPS[key] = (nnx.jit(lambda *a: grad(*a)), mesh)
+    return _STEPS[key][0]
+
+
+_STEPS: dict = {}
+
+
+def run_port(layer, x, freqs, mask, cu, cotangent, routes=None, mesh=None):
+    """``(own routes, out, dx, {torch name: grad})`` of the port (float32 numpy)."""
+    import jax
+    import jax.numpy as jnp
+
+    mask = None if mask is None else jnp.asarray(mask, jnp.int32)
+    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+    x, freqs, g = jnp.asarray(x), jnp.asarray(freqs), jnp.asarray(cotangent)
+    own = _port_step(mesh, "routes")(layer, x, freqs, mask, cu)
+    forced = routes is not None
+    step = _port_step(mesh, "forced" if forced else "free")
+    (_, out), (grads, dx) = step(layer, x, freqs, g, mask, cu, jnp.asarray(routes, jnp.int32) if forced else None)
+    flat = {"q_proj.weight": grads.q_proj.kernel, "k_proj.weight": grads.k_proj.kernel,
+            "v_proj.weight": grads.v_proj.kernel, "o_proj.weight": grads.o_proj.kernel,
+            "q_norm.weight": grads.q_norm, "k_norm.weight": grads.k_norm}
+    flat = {n: np.asarray(jax.device_get(v[...]), np.float32) for n, v in flat.items()}
+    flat = {n: (v.T if v.ndim == 2 else v) for n, v in flat.items()}
+    f32 = lambda a: np.asarray(jax.device_get(a)).astype(np.float32)  # noqa: E731
+    return np.asarray(own), f32(out), f32(dx), flat
+
+
+def port_scores(layer, x, freqs, mask, cu):
+    """The port's own float32 block scores ``[B, S, N]`` and block starts (diagnostics)."""
+    import jax.numpy as jnp
+
+    from qsa_jax.qwen3_8_flash_next import make_layout
+
+    x, freqs = jnp.asarray(x), jnp.asarray(freqs)
+    layout = make_layout(x.shape[0], x.shape[1], attention_mask=None if mask is None else jnp.asarray(mask),
+                         cu_seqlens=None if cu is None else jnp.asarray(cu))
+    query, raw_key = layer.indexer.project(x, freqs)
+    keys = layer.indexer.compress(raw_key, freqs, packed=layout.packed).astype(jnp.float32)
+    dots = jnp.maximum(jnp.einsum("bshd,bnd->bshn", query.astype(jnp.float32), keys,
+                                  precision="highest"), 0)
+    total = dots[:, :, 0]
+    for h in range(1, dots.shape[2]):
+        total = total + dots[:, :, h]
+    step = 1 if layout.packed else layer.config.indexer_compress_ratio
+    return np.asarray(total / np.sqrt(layer.config.indexer_head_dim)), step
+
+
+# --------------------------------------------------------------------------- comparisons
+def relative_error(actual, expected) -> float:
+    from qsa_common.oracle import relative_error as rel
+
+    return rel(actual, expected)
+
+
+def route_agreement(port_routes, up_routes, case: LayerCase, scores: dict, ratio: int, examples: int = 3):
+    """Compare route sets row by row; explain every difference by exact upstream ties.
+
+    Returns ``rows`` (real query rows), ``identical``, ``tie_explained``,
+    ``unexplained`` (padding rows that are not all -1 on either side count here
+    too), ``tie_rows`` (``[b, row]``), a few worked tie checks (``examples``)
+    and failures (``failures``).
+    """
+    batch, s = up_routes.shape[:2]
+    _, _, cu, _ = _layout_inputs(case)
+    real = _real_rows(case, batch)
+    out = {"rows": int(real.sum()), "identical": 0, "tie_explained": 0, "unexplained": 0, "tie_rows": [],
+           "examples": [], "failures": []}
+    for b in range(batch):
+        for t in range(s):
+            up = {int(i) for i in up_routes[b, t] if i >= 0}
+            mine = {int(i) for i in port_routes[b, t] if i >= 0}
+            if not real[b, t]:
+                if up or mine:
+                    out["unexplained"] += 1
+                    out["failures"].append({"row": [b, t], "reason": "a padding row has routes"})
+                continue
+            if up == mine:
+                out["identical"] += 1
+                continue
+            if cu is not None:
+                d = int(np.searchsorted(cu, t, side="right") - 1)
+                start, key = int(cu[d]), (d, t - int(cu[d]))
+            else:
+                start, key = 0, (b, t)
+            entry = {"row": [b, t], **_explain(up, mine, start, t, ratio, scores.get(key))}
+            if entry["tie"]:
+                out["tie_explained"] += 1
+                out["tie_rows"].append([b, t])
+                if len(out["examples"]) < examples:
+                    out["examples"].append(entry)
+            else:
+                out["unexplained"] += 1
+                if len(out["failures"]) < examples:
+                    out["failures"].append(entry)
+    return out
+
+
+def _explain(up: set, mine: set, start: int, t: int, ratio: int, scores):
+    """Is the difference between two route sets an exact tie at upstream's top-k cut?"""
+    visible = (t - start + 1) // ratio
+    tail = set(range(start + ratio * visible, t + 1))
+
+    def blocks(ids):
+        body = ids - tail
+        firsts = {(i - start) // ratio for i in body}
+        whole = all({start + ratio * k + j for j in range(ratio)} <= body for k in firsts)
+        return firsts, whole and len(body) == ratio * len(firsts)
+
+    up_blocks, up_ok = blocks(up)
+    my_blocks, my_ok = blocks(mine)
+    result = {"tie": False, "upstream_only": sorted(up_blocks - my_blocks), "port_only": sorted(my_blocks - up_blocks)}
+    if not (up_ok and my_ok) or (up & tail) != (mine & tail) or len(up_blocks) != len(my_blocks) or scores is None:
+        result["reason"] = "tails, partial blocks, counts or a row without top-k scores differ"
+        return result
+    if any(k >= visible for k in my_blocks):
+        result["reason"] = "the port chose an invisible block"
+        return result
+    cut = min(float(scores[k]) for k in up_blocks)
+    swapped = sorted(up_blocks ^ my_blocks)
+    values = {int(k): float(scores[k]) for k in swapped}
+    result.update(cut=cut, swapped_scores=values)
+    result["tie"] = all(v == cut for v in values.values())
+    if not result["tie"]:
+        result["reason"] = "swapped blocks' upstream scores differ from the cut score"
+    return result
+
+
+def _row_mask(up_routes, port_routes):
+    same = np.array([[set(a[a >= 0].tolist()) == set(p[p >= 0].tolist()) for a, p in zip(ar, pr)]
+                     for ar, pr in zip(up_routes, port_routes)])
+    return same
+
+
+def _compare(port, up, tol):
+    keys = ("out", "dx") + TRAINABLE
+    errors = {k: relative_error(port[k], up[k]) for k in keys}
+    return {"errors": errors, "tolerance": tol, "pass": all(e < tol for e in errors.values())}
+
+
+# --------------------------------------------------------------------------- one case
+def run_case(case: LayerCase, seed: int, *, implementation=None, device: str = "cpu") -> dict:
+    """Build both layers, run the three checks of the module docstring, return the record."""
+    import torch
+
+    t0 = time.monotonic()
+    if case.layout == "cp":
+        import jax
+
+        if len(jax.devices()) < case.world_size:
+            return _cp_subprocess(case, seed, implementation)
+    rng = np.random.default_rng(seed)
+    layer, rotary, _ = upstream_layer(case, seed, device)
+    port = port_layer(layer, case, implementation)
+    batch, mask, cu, positions = _layout_inputs(case)
+    hidden = port.config.hidden_size
+    x = hidden_states(rng, (batch, case.seq_len, hidden), case.hidden)
+    g = rng.standard_normal((batch, case.seq_len, hidden)).astype(np.float32)
+    tdtype = getattr(torch, case.dtype)
+    xt = torch.from_numpy(x).to(device, tdtype)
+    freqs = upstream_freqs(rotary, positions, case.dtype, device)
+    mask_t = None if mask is None else torch.from_numpy(mask).to(device)
+    cu_t = None if cu is None else torch.from_numpy(cu).to(device)
+    gt = torch.from_numpy(g).to(device)
+    if cu is not None and cu[-1] < case.seq_len:
+        # a CP row padded past its last document: upstream (unsharded) sees the documents only
+        n = int(cu[-1])
+        up_routes, up_out, up_dx, up_grads, calls = run_upstream(layer, xt[:, :n], freqs[:, :n], None, cu_t,
+                                                                 gt[:, :n])
+        up_routes = np.pad(up_routes, ((0, 0), (0, case.seq_len - n), (0, 0)), constant_values=-1)
+        up_out, up_dx = (np.pad(a, ((0, 0), (0, case.seq_len - n), (0, 0))) for a in (up_out, up_dx))
+    else:
+        up_routes, up_out, up_dx, up_grads, calls = run_upstream(layer, xt, freqs, mask_t, cu_t, gt)
+    scores = {}
+    for call in calls:
+        scores.update(scores_by_row(call))
+    # the same numbers on the JAX side: bf16 inputs travel as float32 (exact)
+    x_np = xt.float().cpu().numpy().astype(_np_dtype(case.dtype))
+    freqs_np = freqs.float().cpu().numpy().astype(_np_dtype(case.dtype))
+    mesh = _mesh(case) if case.layout == "cp" else None
+    tol = TOLERANCE[case.dtype]
+    upstream = {"out": up_out, "dx": up_dx, **up_grads}
+
+    own, out, dx, grads = run_port(port, x_np, freqs_np, mask, cu, g, mesh=mesh)
+    width = up_routes.shape[-1]
+    agreement = route_agreement(own[..., :width], up_routes, case, scores, port.config.indexer_compress_ratio)
+    if own.shape[-1] > width and (own[..., width:] >= 0).any():
+        agreement["unexplained"] += 1
+        agreement["failures"].append({"reason": "port routes longer than the visible extent"})
+    free = _compare({"out": out, "dx": dx, **grads}, upstream, tol)
+    same = _row_mask(up_routes, own[..., :width])
+    free["out_same_route_rows"] = relative_error(out[same], up_out[same])
+    free["pass"] = free["out_same_route_rows"] < tol and (agreement["tie_explained"] > 0 or free["pass"])
+    free["gradients_checked"] = agreement["tie_explained"] == 0
+
+    _, f_out, f_dx, f_grads = run_port(port, x_np, freqs_np, mask, cu, g, routes=up_routes, mesh=mesh)
+    forced = _compare({"out": f_out, "dx": f_dx, **f_grads}, upstream, tol)
+    padding_zero = bool((f_out[~_real_rows(case, batch)] == 0).all() and (out[~_real_rows(case, batch)] == 0).all())
+
+    record = {"case": dataclasses.asdict(case), "label": case.label(), "seed": seed, "device": device,
+              "implementation": implementation, "routes": agreement, "forced": forced, "free": free,
+              "padding_rows_zero": padding_zero, "seconds": round(time.monotonic() - t0, 2)}
+    record["pass"] = bool(agreement["unexplained"] == 0 and forced["pass"] and free["pass"] and padding_zero)
+    return record
+
+
+def _real_rows(case: LayerCase, batch: int) -> np.ndarray:
+    s = case.seq_len
+    if _packed(case):
+        return (np.arange(s) < sum(case.lengths))[None]
+    return np.arange(s)[None] < np.asarray(case.lengths)[:, None]
+
+
+def _np_dtype(dtype: str):
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+
+
+def _mesh(case: LayerCase):
+    import jax
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()[: case.world_size]), ("cp",))
+
+
+def _cp_subprocess(case: LayerCase, seed: int, implementation) -> dict:
+    """Run a CP case in a fresh interpreter with ``world_size`` host devices."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={case.world_size}").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [sys.executable, "-m", "parity.layers", "--case", json.dumps(dataclasses.asdict(case)),
+            "--seed", str(seed)] + (["--implementation", implementation] if implementation else [])
+    proc = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        return {"case": dataclasses.asdict(case), "label": case.label(), "seed": seed, "pass": False,
+                "error": f"CP worker exited {proc.returncode}: {proc.stderr[-2000:]}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- many cases
+def run_layers(cases, seed: int, *, implementation=None, device: str = "cpu", on_case=None) -> list[dict]:
+    """Run every case (seed + index each); a case that raises is recorded as failing."""
+    records = []
+    for i, case in enumerate(cases):
+        try:
+            record = run_case(case, seed + i, implementation=implementation, device=device)
+        except Exception as err:  # noqa: BLE001 - reported, never hidden
+            record = {"case": dataclasses.asdict(case), "label": case.label(), "seed": seed + i, "pass": False,
+                      "error": f"{type(err).__name__}: {err}"}
+        records.append(record)
+        if on_case is not None:
+            on_case(record)
+    return records
+
+
+def summary_lines(records: list[dict]) -> list[str]:
+    """A markdown table: route agreement, forced and free-running worst errors per case."""
+    lines = ["| case | rows | identical | ties | unexplained | forced worst (tol) | free out (same routes) | result |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['label']} | - | - | - | - | - | - | FAIL: {r['error'][:200]} |")
+            continue
+        a, f, fr = r["routes"], r["forced"], r["free"]
+        worst = max(f["errors"], key=f["errors"].get)
+        lines.append(
+            f"| {r['label']} | {a['rows']} | {a['identical']} | {a['tie_explained']} | {a['unexplained']} | "
+            f"{f['errors'][worst]:.2e} {worst} ({f['tolerance']:g}) | {fr['out_same_route_rows']:.2e} | "
+            f"{'PASS' if r['pass'] else 'FAIL'} |")
+    ties = [(r["label"], e) for r in records if "routes" in r for e in r["routes"]["examples"][:1]]
+    if ties:
+        lines += ["", "Tie checks (upstream scores of the swapped blocks = the score at the cut):", ""]
+        for label, e in ties:
+            lines.append(f"- {label} row {e['row']}: upstream kept {e['upstream_only']}, port kept {e['port_only']}; "
+                         f"cut {e['cut']!r}, swapped {e['swapped_scores']}")
+    fails = [(r["label"], e) for r in records if "routes" in r for e in r["routes"]["failures"][:2]]
+    if fails:
+        lines += ["", "Unexplained route differences:", ""]
+        lines += [f"- {label}: {e}" for label, e in fails]
+    return lines
+
+
+def _worker(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m parity.layers")
+    parser.add_argument("--case", required=True, help="a LayerCase as JSON")
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--implementation")
+    args = parser.parse_args(argv)
+    fields = json.loads(args.case)
+    fields["lengths"] = tuple(fields["lengths"])
+    record = run_case(LayerCase(**fields), args.seed, implementation=args.implementation)
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker())
