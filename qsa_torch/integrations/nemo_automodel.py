@@ -47,6 +47,11 @@ sends CUDA tensors to ``qsa_torch.sparse_gqa_attention(..., backend="auto")``; a
 named backend (``"reference"``, ``"triton"``, ...) gets every call. The routes are
 passed with ``route_format="qsa"``: the indexer emits four-token blocks plus the causal
 tail, the QSA route format of CONTRACT.md.
+
+Under ``torch.compile`` the routed forward has no graph break at the attention call
+(with routes replayed it compiles with ``fullgraph=True``); the layer's graph breaks
+are upstream's: host syncs in its indexer (``qsa.py``: ``right_padded_sequence_lengths``,
+``select_qsa_token_ids``) and, on CPU without a route, its oracle's ID check.
 """
 
 from __future__ import annotations
@@ -195,7 +200,6 @@ def qsa_torch_dispatch(backend: str, fallback: Callable[..., torch.Tensor]) -> C
         return sparse_gqa_attention(query, key, value, selected_token_ids, softmax_scale,
                                     backend=qsa_backend, route_format="qsa")
 
-    qsa_gqa_attention.qsa_backend = qsa_backend
     return qsa_gqa_attention
 
 
