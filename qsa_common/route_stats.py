@@ -52,7 +52,8 @@ class Tiling:
     program j takes pairs ``j*P .. j*P + P - 1`` (the last one fewer); its rows are
     those its pairs touch, and its matrix has P rows (the last program's too: the
     kernel computes a full block). ``rows=T``: tiles of T consecutive query rows
-    with all G heads: T * G matrix rows (the last tile's empty rows included).
+    with all G heads: T * G matrix rows (the last tile's empty rows included; a
+    kernel that pads G to a power of two G_pad does G_pad / G times that work).
     Exactly one of the two is set.
     """
 
