@@ -1,10 +1,13 @@
 """``qsa_jax.sparse_gqa_attention``: one entry point, implementations by name.
 
 ``implementation`` may be a name or a sequence of names; the first that does
-not raise ``NotImplementedError`` for the given inputs runs, otherwise all the
-reasons are raised together. ``None`` means ``("pallas", "xla")`` when the
-inputs live on GPUs (the reference takes what the kernels refuse, e.g. D > 256
-or float64) and ``"xla"`` elsewhere.
+not raise ``NotImplementedError`` or ``ImportError`` for the given inputs runs,
+otherwise all the reasons are raised together (as ``ImportError`` when every one
+was a missing runtime, else ``NotImplementedError``). ``None`` means
+:data:`GPU_DEFAULT` when the inputs live on GPUs (the ``qsa_triton`` kernels
+through jax-triton, JAX's own Pallas kernels where jax-triton is absent, and the
+reference for what the kernels refuse, e.g. D > 256 or float64) and ``"xla"``
+elsewhere.
 
 int64 routes: pass them as numpy arrays (they are checked on the host, so IDs
 past int32 stay padding). A jax array, or a ``jax.jit`` argument, is already
@@ -19,7 +22,7 @@ from typing import Any
 from .routes import on_gpu, prepare_routes, validate_inputs
 from .xla_reference import reference_sparse_gqa_attention
 
-__all__ = ["sparse_gqa_attention", "IMPLEMENTATIONS"]
+__all__ = ["sparse_gqa_attention", "IMPLEMENTATIONS", "GPU_DEFAULT"]
 
 
 def _xla(query, key, value, routes, scale, *, block_sizes, interpret):
@@ -35,7 +38,17 @@ def _pallas(query, key, value, routes, scale, *, block_sizes, interpret):
     )
 
 
-IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"xla": _xla, "pallas": _pallas}
+def _triton(query, key, value, routes, scale, *, block_sizes, interpret):
+    if interpret:
+        raise NotImplementedError("the jax-triton launch has no interpret mode (use implementation='pallas')")
+    from . import triton_qsa  # imports jax_triton on first use only
+
+    return triton_qsa.triton_sparse_gqa_attention(query, key, value, routes, scale, block_sizes=block_sizes)
+
+
+IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"xla": _xla, "pallas": _pallas, "triton": _triton}
+# The order tried on GPUs when no implementation is named.
+GPU_DEFAULT: tuple[str, ...] = ("triton", "pallas", "xla")
 
 
 def sparse_gqa_attention(
@@ -57,11 +70,14 @@ def sparse_gqa_attention(
         selected_token_ids: ``[B, S_q, K]`` int32/int64 IDs in global K/V
             coordinates; IDs outside ``[0, S_kv)`` are padding, duplicates count once.
         softmax_scale: finite positive scale, default ``1/sqrt(D)``.
-        implementation: ``"pallas"`` (Pallas Triton kernels), ``"xla"`` (the
-            gather reference), a sequence of them tried in order, or ``None``.
-        block_sizes: a ``qsa_jax.pallas_qsa.BlockSizes`` for the Pallas kernels.
+        implementation: ``"triton"`` (the ``qsa_triton`` kernels through
+            jax-triton, CUDA only), ``"pallas"`` (JAX's Pallas kernels), ``"xla"``
+            (the gather reference), a sequence of them tried in order, or ``None``.
+        block_sizes: a ``qsa_triton.BlockSizes`` for ``"triton"``, a
+            ``qsa_jax.pallas_qsa.BlockSizes`` for ``"pallas"`` (an implementation
+            given the other class declines with NotImplementedError).
         interpret: run the Pallas kernels in interpret mode (CPU); default: on
-            when the inputs do not live on GPUs.
+            when the inputs do not live on GPUs. ``"triton"`` declines it.
 
     Returns:
         ``[B, S_q, Hq, D]`` in query's dtype. Empty rows are exactly zero and
@@ -69,17 +85,18 @@ def sparse_gqa_attention(
 
     Raises:
         ValueError / TypeError: bad shapes, dtypes or scale (the contract's types).
+        ImportError: every requested implementation lacks its runtime (jax-triton).
         NotImplementedError: no requested implementation accepts the inputs.
     """
     routes = prepare_routes(selected_token_ids)
     checked = validate_inputs(query, key, value, routes, softmax_scale)
     if implementation is None:
-        names: Sequence[str] = ("pallas", "xla") if on_gpu(query) else ("xla",)
+        names: Sequence[str] = GPU_DEFAULT if on_gpu(query) else ("xla",)
     elif isinstance(implementation, str):
         names = (implementation,)
     else:
         names = tuple(implementation)
-    reasons = []
+    reasons, missing = [], []
     for name in names:
         if name not in IMPLEMENTATIONS:
             raise ValueError(
@@ -90,6 +107,8 @@ def sparse_gqa_attention(
                 query, key, value, routes, checked.scale,
                 block_sizes=block_sizes, interpret=interpret,
             )
-        except NotImplementedError as err:
+        except (NotImplementedError, ImportError) as err:
             reasons.append(f"{name}: {err}")
-    raise NotImplementedError("no implementation accepted the inputs:\n  " + "\n  ".join(reasons))
+            missing.append(isinstance(err, ImportError))
+    message = "no implementation accepted the inputs:\n  " + "\n  ".join(reasons)
+    raise ImportError(message) if all(missing) else NotImplementedError(message)

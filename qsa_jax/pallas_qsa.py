@@ -502,11 +502,14 @@ def pallas_sparse_gqa_attention(
     fp32 atomics: not bitwise deterministic.
 
     Raises:
-        NotImplementedError: f64 inputs, D > 256 or S_kv >= 2**27 (use
-            ``implementation="xla"``).
+        NotImplementedError: f64 inputs, D > 256, S_kv >= 2**27 (use
+            ``implementation="xla"``), or ``block_sizes`` of another class.
     """
     routes = prepare_routes(selected_token_ids)
     checked = validate_inputs(query, key, value, routes, softmax_scale)
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise NotImplementedError("block_sizes for the Pallas kernels must be a qsa_jax.pallas_qsa.BlockSizes, "
+                                  f"got {type(block_sizes).__name__}")
     if jnp.dtype(query.dtype) == jnp.float64:
         raise NotImplementedError("the Pallas kernels take bf16/f16/f32, not float64")
     if checked.dims.head_dim > 256:

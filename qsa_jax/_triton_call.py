@@ -1,0 +1,106 @@
+"""Launching the ``qsa_triton`` kernels from JAX, and the route unions built that way.
+
+:class:`JaxTritonLauncher` turns a :class:`qsa_triton.launch.Launch` into one
+``jax_triton.triton_call`` (jax-triton 0.3.1): the array inputs, then the fp32 scalars
+as ``np.float32`` (jax-triton types a Python float as fp64), positionally; the outputs,
+which triton_call appends after them, as ``out_shape`` (``zeroed_outputs`` for the
+accumulators); integers and constexprs as keyword metaparameters, which jax-triton
+compiles in as constants (JAX's strides and sizes are static). jax_triton is imported
+on first use only.
+
+A launcher is any hashable callable ``launcher(launch, arrays) -> outputs by name`` with
+an ``interpreted`` attribute (whether the kernels run in Triton's interpreter); tests
+inject one that runs the same kernels in the interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qsa_triton import launch as spec
+from qsa_triton.plan import CutStep, SortStep
+
+__all__ = ["JaxTritonLauncher", "jax_triton", "sorted_unions", "cut_unions", "operand"]
+
+
+def jax_triton():
+    """The ``jax_triton`` module.
+
+    Raises:
+        ImportError: jax-triton is not installed, or cannot load (it needs a CUDA build
+            of jax).
+    """
+    try:
+        import jax_triton as module
+    except ImportError as err:
+        raise ImportError(
+            "qsa_jax's implementation='triton' needs jax-triton 0.3.1 and a CUDA build of jax "
+            f"(pip install 'jax-triton==0.3.1' 'jax[cuda12]'); importing it failed: {err}") from err
+    return module
+
+
+@dataclass(frozen=True)
+class JaxTritonLauncher:
+    """Launches through ``jax_triton.triton_call`` (compiled kernels only)."""
+
+    interpreted: bool = False
+
+    def __call__(self, launch: spec.Launch, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        jt = jax_triton()
+        args = [arrays[name] for name in launch.inputs] + [np.float32(value) for _, value in launch.scalars]
+        out_shape = [jax.ShapeDtypeStruct(out.shape, jnp.dtype(out.dtype)) for out in launch.outputs]
+        zeroed = tuple(i for i, out in enumerate(launch.outputs) if out.zeroed)
+        outputs = jt.triton_call(*args, kernel=spec.kernel(launch.kernel), out_shape=out_shape, grid=launch.grid,
+                                 name=f"qsa_{launch.kernel}", num_warps=launch.num_warps,
+                                 num_stages=launch.num_stages, zeroed_outputs=zeroed, **dict(launch.params))
+        return {out.name: x for out, x in zip(launch.outputs, outputs)}
+
+
+@functools.cache
+def default_launcher() -> JaxTritonLauncher:
+    """The jax-triton launcher (imports jax_triton).
+
+    Raises:
+        ImportError: see :func:`jax_triton`.
+        NotImplementedError: ``TRITON_INTERPRET=1`` made the kernels interpreted
+            functions, which jax-triton cannot compile.
+    """
+    jax_triton()
+    if spec.interpreted():
+        raise NotImplementedError("TRITON_INTERPRET=1 is set: jax-triton launches compiled kernels only")
+    return JaxTritonLauncher()
+
+
+def operand(x) -> spec.Operand:
+    """Shape and (row-major) per-element strides of a JAX array."""
+    return tuple(x.shape), spec.contiguous_strides(x.shape)
+
+
+def sorted_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y: int, launcher):
+    """``(union, count, rowbits)`` of ``step``'s groups: the keys kernel, ``jnp.sort`` over
+    ``per_sort`` whole groups at a time, the merge kernel (``qsa_torch``'s recipe)."""
+    bsz, _, k = routes.shape
+    keys = launcher(spec.keys_launch(step, operand(routes), kv_length, max_grid_y), {"ROUTES": routes})["KEYS"]
+    chunk = step.keys.per_sort * step.rows * k
+    n = keys.shape[0]
+    if chunk >= n:
+        keys = jnp.sort(keys)
+    else:  # padding sorts after every key: it fills the last sort only and is cut off
+        sorts = -(-n // chunk)
+        padded = jnp.pad(keys, (0, sorts * chunk - n), constant_values=jnp.iinfo(keys.dtype).max)
+        keys = jnp.sort(padded.reshape(sorts, chunk), axis=-1).reshape(-1)[:n]
+    merged = launcher(spec.merge_launch(step, bsz, k, interpreted=launcher.interpreted), {"KEYS": keys})
+    return merged["UNION"], merged["COUNT"], merged["ROWBITS"]
+
+
+def cut_unions(unions, step: CutStep, max_grid_y: int, launcher):
+    """``step``'s sub-unions of ``unions`` = ``(union, count, rowbits)``."""
+    union, count, rowbits = unions
+    launch = spec.cut_launch(step, tuple(union.shape), max_grid_y, interpreted=launcher.interpreted)
+    cut = launcher(launch, {"UNION": union, "ROWBITS": rowbits, "COUNT": count})
+    return cut["SUB_UNION"], cut["SUB_COUNT"], cut["SUB_ROWBITS"]

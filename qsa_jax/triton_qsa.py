@@ -1,0 +1,178 @@
+"""Route-sparse GQA with the ``qsa_triton`` kernels, launched through jax-triton.
+
+The same kernels, tiles, unions and launch configurations as ``qsa_torch.triton_qsa``
+(both are built by ``qsa_triton.plan`` / ``qsa_triton.launch`` from the same shapes and
+the same configuration table), so on one GPU the forward output and LSE equal torch's
+bit for bit; dK/dV come from fp32 atomics in both, whose order varies from run to run.
+The algorithm is docs/design-token-gather.md. Differentiable through ``jax.custom_vjp``:
+the forward keeps its output, LSE and route unions for the backward (the backward cuts
+the unions into its own tiles where those are shorter; nothing is sorted twice).
+
+jax-triton 0.3.1 is imported on first use; it runs on CUDA GPUs only (no interpret
+mode: on CPU use ``implementation="pallas"`` with ``interpret=True``). No ``jax.vmap``
+(jax-triton's kernel call has no batching rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from qsa_triton import launch as spec
+from qsa_triton.config import BlockSizes, default_block_sizes
+from qsa_triton.plan import Plan, backward_cut, make_plan, union_recipe
+
+from . import _triton_call
+from ._triton_call import cut_unions, operand, sorted_unions
+from .routes import gpu_capability, on_gpu, prepare_routes, validate_inputs
+
+__all__ = ["BlockSizes", "build_unions", "forward_with_lse", "plan_for", "triton_sparse_gqa_attention"]
+
+_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def build_unions(routes, kv_length: int, plan: Plan, launcher=None):
+    """The forward's route unions ``(union, count, rowbits)`` of ``plan`` (int32; shapes
+    ``[B, n, W]``, ``[B, n]``, ``[B, n, W]``), exactly as ``qsa_torch.triton_qsa`` builds
+    them (``qsa_triton.plan.union_recipe``). ``routes``: int32 ``[B, S_q, K]`` (int64
+    with x64); IDs outside ``[0, kv_length)`` are padding."""
+    launcher = launcher or _triton_call.default_launcher()
+    routes = jnp.asarray(routes)
+    bsz, s_q, k = routes.shape
+    step, cut = union_recipe(plan, s_q, k, kv_length, bsz, wide_keys=jax.config.jax_enable_x64)
+    unions = sorted_unions(routes, kv_length, step, plan.max_grid_y, launcher)
+    return unions if cut is None else cut_unions(unions, cut, plan.max_grid_y, launcher)
+
+
+def _forward(q, k, v, routes, scale, plan, launcher):
+    unions = build_unions(routes, k.shape[1], plan, launcher)
+    launch = spec.forward_launch(plan, operand(q), operand(k), operand(v), tuple(unions[0].shape), scale,
+                                 jnp.dtype(q.dtype).name, interpreted=launcher.interpreted)
+    union, count, rowbits = unions
+    out = launcher(launch, dict(Q=q, K=k, V=v, UNION=union, COUNT=count, ROWBITS=rowbits))
+    return out["O"], out["LSE"], unions
+
+
+def _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher):
+    union, count, rowbits = unions
+    cut = backward_cut(plan, q.shape[1], top_k, plan.rows_per_tile, union.shape[2])
+    if cut is not None:
+        union, count, rowbits = cut_unions(unions, cut, plan.max_grid_y, launcher)
+    launch = spec.backward_launch(plan, operand(q), operand(k), operand(v), operand(out), operand(do),
+                                  tuple(union.shape), scale, jnp.dtype(q.dtype).name,
+                                  interpreted=launcher.interpreted)
+    grads = launcher(launch, dict(Q=q, K=k, V=v, O=out, DO=do, LSE=lse, UNION=union, COUNT=count,
+                                  ROWBITS=rowbits))
+    return grads["DQ"], grads["DK"].astype(k.dtype), grads["DV"].astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention(q, k, v, routes, scale, plan, top_k, launcher):
+    return _forward(q, k, v, routes, scale, plan, launcher)[0]
+
+
+def _attention_fwd(q, k, v, routes, scale, plan, top_k, launcher):
+    out, lse, unions = _forward(q, k, v, routes, scale, plan, launcher)
+    return out, (q, k, v, out, lse, unions)
+
+
+def _attention_bwd(scale, plan, top_k, launcher, residuals, do):
+    q, k, v, out, lse, unions = residuals
+    dq, dk, dv = _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher)
+    return dq, dk, dv, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "plan", "launcher"))
+def _run(q, k, v, routes, *, scale, plan, launcher):
+    return _attention(q, k, v, routes, scale, plan, routes.shape[2], launcher)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "plan", "launcher"))
+def _run_forward(q, k, v, routes, *, scale, plan, launcher):
+    out, lse, _ = _forward(q, k, v, routes, scale, plan, launcher)
+    return out, lse
+
+
+def plan_for(query, key, block_sizes: BlockSizes | None = None) -> Plan:
+    """The plan the kernels run for these inputs: ``block_sizes``, by default the row of
+    ``qsa_triton.config.default_block_sizes`` for the GPU ``query`` lives on (the table
+    ``qsa_torch`` reads too)."""
+    group, head_dim = query.shape[2] // key.shape[2], query.shape[3]
+    dtype = jnp.dtype(query.dtype).name
+    if block_sizes is None:
+        blocks = default_block_sizes(gpu_capability(query), head_dim, dtype)
+    elif isinstance(block_sizes, BlockSizes):
+        blocks = block_sizes
+    else:
+        raise NotImplementedError(f"block_sizes for the triton implementation must be a qsa_triton.BlockSizes, "
+                                  f"got {type(block_sizes).__name__}")
+    plan = make_plan(group, head_dim, blocks)
+    pairs = query.shape[1] * group
+    if plan.flat and pairs + plan.fwd_heads > 2**31 - 1:  # the flat tiling indexes pairs in int32
+        if block_sizes is not None:
+            raise NotImplementedError(f"flatten_heads indexes (row, head) pairs in int32: S_q * G = {pairs}")
+        plan = make_plan(group, head_dim, dataclasses.replace(blocks, flatten_heads=False))
+    return plan
+
+
+def _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes, launcher):
+    routes = prepare_routes(selected_token_ids)
+    checked = validate_inputs(query, key, value, routes, softmax_scale)
+    if jnp.dtype(query.dtype).name not in _DTYPES:
+        raise NotImplementedError(f"the Triton kernels take bf16/f16/f32, not {jnp.dtype(query.dtype).name}")
+    if checked.dims.head_dim > 256:
+        raise NotImplementedError(f"the Triton kernels support head dim <= 256, got {checked.dims.head_dim}")
+    if launcher is None:
+        launcher = _triton_call.default_launcher()
+        if not on_gpu(query):
+            raise NotImplementedError("jax-triton launches on CUDA GPUs only; the inputs are not on one "
+                                      "(implementation='pallas' with interpret=True runs on CPU)")
+    return jnp.asarray(routes), checked.scale, plan_for(query, key, block_sizes), launcher
+
+
+def triton_sparse_gqa_attention(query, key, value, selected_token_ids, softmax_scale: float | None = None, *,
+                                block_sizes: BlockSizes | None = None, launcher=None):
+    """Route-sparse GQA with the ``qsa_triton`` kernels (forward and custom_vjp backward).
+
+    Args:
+        query: ``[B, S_q, Hq, D]`` bf16/f16/f32 on a CUDA GPU, D <= 256.
+        key, value: ``[B, S_kv, Hkv, D]``, same dtype; Hq % Hkv == 0.
+        selected_token_ids: ``[B, S_q, K]`` int32/int64 IDs; anything outside
+            ``[0, S_kv)`` is padding and duplicates count once.
+        softmax_scale: finite positive scale, default ``1/sqrt(D)``.
+        block_sizes: a ``qsa_triton.BlockSizes`` (the one class both frameworks take),
+            default :func:`plan_for`'s.
+        launcher: how kernels are launched (default: ``jax_triton.triton_call``); tests
+            inject one that runs the kernels in Triton's interpreter.
+
+    Returns:
+        ``[B, S_q, Hq, D]`` in query's dtype; rows without routes are exactly 0 and add
+        nothing to any gradient. dK/dV are accumulated with fp32 atomics: not bitwise
+        deterministic.
+
+    Raises:
+        TypeError / ValueError: the contract's input checks.
+        ImportError: jax-triton is not installed or cannot load (first use only).
+        NotImplementedError: inputs off the GPU, float64, D > 256, other block sizes'
+            classes, or sort keys that need int64 without x64 (S_kv * T >= 2**31).
+    """
+    routes, scale, plan, launcher = _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes,
+                                           launcher)
+    return _run(query, key, value, routes, scale=scale, plan=plan, launcher=launcher)
+
+
+def forward_with_lse(query, key, value, selected_token_ids, softmax_scale: float | None = None, *,
+                     block_sizes: BlockSizes | None = None, launcher=None):
+    """``(out, lse)``: the forward's output and natural-log LSE ``[B, Hq, S_q]`` fp32
+    (+inf for rows without routes), no autograd; what ``qsa_torch.triton_qsa.
+    forward_with_residuals`` returns first, for bitwise comparisons across frameworks.
+    Arguments and errors as :func:`triton_sparse_gqa_attention`."""
+    routes, scale, plan, launcher = _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes,
+                                           launcher)
+    return _run_forward(query, key, value, routes, scale=scale, plan=plan, launcher=launcher)

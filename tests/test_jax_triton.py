@@ -1,0 +1,275 @@
+"""The JAX launch of the qsa_triton kernels (``implementation="triton"``), up to jax-triton.
+
+jax-triton cannot run (or even import) without a CUDA build of jax, so on CPU this
+module injects a launcher that does what ``jax_triton.triton_call`` does with a launch
+(positional inputs and ``np.float32`` scalars, outputs appended after them and bound to
+the kernel's next parameters by position, metaparameters by name, ``zeroed_outputs``
+zeroed, every other output poisoned) and runs the kernel in Triton's interpreter on
+host copies, inside ``jax.pure_callback``. Everything of the JAX path but the
+jax-triton call itself therefore runs: plans, union building (key kernel, ``jnp.sort``,
+merge and cut kernels), the forward and backward launches, the custom_vjp's residual
+plumbing, under ``jax.jit`` and ``jax.grad``, against the float64 oracle, and, in the
+same interpreter, bit for bit against the torch launch of the same kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from contract_base import TOLERANCE, BackendContract, UnroutedRowsIsolated, random_inputs  # noqa: E402
+from runners import run_jax  # noqa: E402
+from union_oracle import assert_unions_equal, flat_unions, tile_unions  # noqa: E402
+from qsa_common.generators import adversarial_routes  # noqa: E402
+from qsa_common.layouts import make_problem  # noqa: E402
+from qsa_common.oracle import oracle_forward_backward, relative_error  # noqa: E402
+from qsa_jax import triton_qsa as jt  # noqa: E402
+from qsa_triton import launch as spec  # noqa: E402
+from qsa_triton.config import SAFE_BLOCK_SIZES, BlockSizes  # noqa: E402
+from qsa_triton.plan import make_plan  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int32": torch.int32,
+          "int64": torch.int64}
+_POISON = {"float32": float("nan"), "bfloat16": float("nan"), "float16": float("nan"), "int32": -123456789,
+           "int64": -123456789}
+
+
+def _to_torch(x: np.ndarray) -> torch.Tensor:
+    if x.dtype.name == "bfloat16":  # numpy has no bf16: move the bits
+        return torch.from_numpy(np.array(x).view(np.uint16)).view(torch.bfloat16).to(DEVICE)
+    return torch.from_numpy(np.array(x)).to(DEVICE)  # a writable copy
+
+
+def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return t.cpu().view(torch.uint16).numpy().view(jnp.bfloat16)
+    return t.cpu().numpy()
+
+
+def _output(out: spec.Output) -> torch.Tensor:
+    if out.zeroed:
+        return torch.zeros(out.shape, dtype=_TORCH[out.dtype], device=DEVICE)
+    return torch.full(out.shape, _POISON[out.dtype], dtype=_TORCH[out.dtype], device=DEVICE)
+
+
+def emulate_triton_call(launch: spec.Launch, *inputs: np.ndarray) -> list[np.ndarray]:
+    """jax_triton.triton_call's contract, on host arrays, with the kernel interpreted."""
+    kernel = spec.kernel(launch.kernel)
+    positional = [_to_torch(x) for x in inputs] + [float(np.float32(v)) for _, v in launch.scalars]
+    outputs = [_output(out) for out in launch.outputs]
+    named = dict(zip(kernel.arg_names, positional + outputs))  # outputs follow the positional arguments
+    params = dict(launch.params)
+    assert not set(named) & set(params), set(named) & set(params)
+    named.update(params)
+    assert set(named) == set(kernel.arg_names), set(kernel.arg_names) ^ set(named)
+    kernel[launch.grid](**named, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return [_to_numpy(t, out.dtype) for t, out in zip(outputs, launch.outputs)]
+
+
+@dataclass(frozen=True)
+class InterpretedLauncher:
+    """The injected launcher: :func:`emulate_triton_call` through ``jax.pure_callback``."""
+
+    interpreted: bool = spec.interpreted()
+
+    def __call__(self, launch, arrays):
+        shapes = [jax.ShapeDtypeStruct(out.shape, jnp.dtype(out.dtype)) for out in launch.outputs]
+        results = jax.pure_callback(lambda *xs: emulate_triton_call(launch, *(np.asarray(x) for x in xs)),
+                                    shapes, *(arrays[name] for name in launch.inputs))
+        return {out.name: x for out, x in zip(launch.outputs, results)}
+
+
+LAUNCHER = InterpretedLauncher()
+SMALL = BlockSizes(block_m=16, block_k=16, num_warps=1, num_stages=1, backward_block_m=16, backward_block_k=16,
+                   backward_num_warps=1, backward_num_stages=1)
+
+
+def attention(*args, **kwargs):
+    return jt.triton_sparse_gqa_attention(*args, launcher=LAUNCHER, **kwargs)
+
+
+def _fresh_rng() -> np.random.Generator:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+class TestJaxTritonContract(UnroutedRowsIsolated, BackendContract):
+    """The contract matrix (small: the interpreter runs every program in Python)."""
+
+    heads = ((6, 2),)  # 3 heads padded to 4 (test_jit_grad_against_the_oracle: flat tilings)
+    families = ("qsa", "adversarial")
+
+    def run(self, q, k, v, routes, scale, grad_out, dtype):
+        fn = lambda *a: attention(*a, block_sizes=SMALL)  # noqa: E731
+        return run_jax(fn, q, k, v, routes, scale, grad_out, dtype)
+
+
+@pytest.mark.parametrize("heads, blocks", [
+    ((12, 1), BlockSizes(block_m=32, block_k=16, backward_block_k=16, flatten_heads=True)),  # flat, cut from tiles
+    ((3, 1), BlockSizes(block_m=64, block_k=16, backward_block_k=16, flatten_heads=True)),  # flat, sorted per program
+    ((6, 2), BlockSizes(block_m=32, block_k=16, backward_block_m=16, backward_block_k=16,
+                        backward_rows_per_tile=4)),  # padded, the backward's unions cut
+])
+def test_jit_grad_against_the_oracle(heads, blocks):
+    """``jax.jit(jax.grad(...))`` through the custom_vjp (the way parity.bench calls the
+    public entry point), bf16, every tiling the launchers plan."""
+    rng = _fresh_rng()
+    problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=26, top_k=3)
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, heads, 16, "bfloat16")
+    routes = jnp.asarray(problem.routes.astype(np.int32))
+
+    def loss(q_, k_, v_, r):
+        return jnp.sum(attention(q_, k_, v_, r, 0.3, block_sizes=blocks).astype(jnp.float32) * do)
+
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args, routes)
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want[1:]):
+        assert g.dtype == jnp.bfloat16
+        assert relative_error(np.asarray(g, np.float64), w) < TOLERANCE["bfloat16"], name
+
+
+@pytest.mark.parametrize("heads, blocks", [
+    ((6, 2), SMALL),
+    ((12, 1), BlockSizes(block_m=32, block_k=16, backward_block_k=16, flatten_heads=True)),
+])
+def test_forward_and_lse_equal_torch_bit_for_bit(heads, blocks):
+    """The same kernels with the same launches: torch's and JAX's out and LSE are the
+    same bits (here in the interpreter; scripts/gpu/check_jax_triton.py on the GPU)."""
+    from qsa_torch import _triton_launch, _triton_unions
+
+    rng = _fresh_rng()
+    problem = make_problem("padded", "adversarial", seed=int(rng.integers(2**31)), seq_len=24, width=7, batch=2)
+    q, k, v, _ = random_inputs(rng, problem.routes, problem.kv_length, heads, 16, "bfloat16")
+    scale = 0.77 * 16**-0.5
+    out, lse = jt.forward_with_lse(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), problem.routes, scale,
+                                   block_sizes=blocks, launcher=LAUNCHER)
+    tq, tk, tv = (torch.tensor(x, dtype=torch.bfloat16, device=DEVICE) for x in (q, k, v))
+    plan = make_plan(heads[0] // heads[1], 16, blocks)
+    unions = _triton_unions.build_unions(torch.from_numpy(problem.routes).to(DEVICE), problem.kv_length, plan)
+    t_out, t_lse = _triton_launch.forward(tq, tk, tv, unions, scale, plan)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), t_out.cpu().view(torch.uint16).numpy())
+    np.testing.assert_array_equal(np.asarray(lse), t_lse.cpu().numpy())
+
+
+@pytest.mark.parametrize("group, pairs", [(12, 32), (3, 64), (1, 0), (3, 0)])
+def test_unions_equal_torch_and_the_oracle(group, pairs):
+    """JAX-built unions (padded tiles, flat programs cut from tiles, flat programs
+    sorted per program) equal the oracle's, and torch's, element for element, on
+    adversarial and random int64 routes (huge IDs included)."""
+    from qsa_torch import _triton_unions
+
+    rng = _fresh_rng()
+    s_q, kv_length, width = 37, 40, 6
+    routes = np.stack([np.resize(adversarial_routes(kv_length, width=width, rng=rng), (s_q, width)),
+                       rng.integers(-3, kv_length + 3, size=(s_q, width))])
+    routes[1, 5, 2] = 2**40 + 3  # huge int64: padding
+    blocks = BlockSizes(block_m=pairs or 16, flatten_heads=pairs > 0)
+    plan = make_plan(group, 16, blocks)
+    want = (flat_unions(routes, kv_length, group, pairs, plan.rows_per_tile) if plan.flat
+            else tile_unions(routes, kv_length, plan.rows_per_tile))
+    from qsa_jax.routes import prepare_routes
+
+    got = jt.build_unions(jnp.asarray(prepare_routes(routes)), kv_length, plan, LAUNCHER)
+    assert_unions_equal(got, want, "jax")
+    torch_unions = _triton_unions.build_unions(torch.from_numpy(routes).to(DEVICE), kv_length, plan)
+    assert_unions_equal(tuple(x.cpu().numpy() for x in (torch_unions.union, torch_unions.count,
+                                                       torch_unions.rowbits)), want, "torch")
+
+
+def test_launches_and_plans_match_torch():
+    """Both launchers' descriptions for one problem: the same kernels, grids, warps,
+    stages, fp32 scalars and integer/constexpr arguments (strides included, for
+    contiguous torch tensors)."""
+    from qsa_torch import triton_qsa as tt
+
+    q = jnp.zeros((2, 40, 12, 256), jnp.bfloat16)
+    kv = jnp.zeros((2, 40, 1, 256), jnp.bfloat16)
+    tq, tkv = torch.zeros(2, 40, 12, 256, dtype=torch.bfloat16), torch.zeros(2, 40, 1, 256, dtype=torch.bfloat16)
+    blocks = tt.DEFAULT_BLOCK_SIZES
+    assert jt.plan_for(q, kv, blocks) == tt.make_plan(12, 256, blocks)
+    assert jt.plan_for(q, kv) == make_plan(12, 256, SAFE_BLOCK_SIZES)  # a CPU array: no GPU row
+    plan = jt.plan_for(q, kv, blocks)
+    jax_launch = spec.forward_launch(plan, jt.operand(q), jt.operand(kv), jt.operand(kv), (2, 30, 80), 0.0625,
+                                     "bfloat16", interpreted=False)
+    torch_launch = spec.forward_launch(plan, (tuple(tq.shape), tq.stride()), (tuple(tkv.shape), tkv.stride()),
+                                       (tuple(tkv.shape), tkv.stride()), (2, 30, 80), 0.0625, "bfloat16",
+                                       interpreted=False)
+    assert jax_launch == torch_launch
+
+
+def test_host_side_launch_description():
+    """What the JAX launcher hands jax_triton for the default H200 forward: inputs and
+    np.float32 scalars in signature order, outputs' shapes/dtypes, the grid."""
+    calls = []
+
+    @dataclass(frozen=True)
+    class Recorder:
+        interpreted: bool = False
+
+        def __call__(self, launch, arrays):
+            calls.append((launch, {n: (a.shape, a.dtype) for n, a in arrays.items()}))
+            return {o.name: jnp.zeros(o.shape, o.dtype) for o in launch.outputs}
+
+    q = jax.ShapeDtypeStruct((1, 64, 24, 256), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 64, 2, 256), jnp.bfloat16)
+    routes = jax.ShapeDtypeStruct((1, 64, 20), jnp.int32)
+    plan = make_plan(12, 256, jt.BlockSizes(num_stages=3, backward_block_k=64, flatten_heads=True))
+    jax.eval_shape(lambda a, b, c, r: jt._forward(a, b, c, r, 0.0625, plan, Recorder()), q, kv, kv, routes)
+    kernels = [launch.kernel for launch, _ in calls]
+    assert kernels == ["union_keys", "union_merge", "union_cut", "forward"]
+    forward, arrays = calls[-1]
+    assert forward.inputs == ("Q", "K", "V", "UNION", "COUNT", "ROWBITS") and set(arrays) == set(forward.inputs)
+    assert [(o.name, o.shape, o.dtype) for o in forward.outputs] == [
+        ("O", (1, 64, 24, 256), "bfloat16"), ("LSE", (1, 24, 64), "float32")]
+    assert forward.grid == (-(-64 * 12 // 128), 2) and (forward.num_warps, forward.num_stages) == (8, 3)
+    assert arrays["UNION"][1] == jnp.int32 and arrays["COUNT"][0] == (1, forward.grid[0])
+
+
+def test_missing_jax_triton_raises_import_error_on_first_use(monkeypatch):
+    """The first call without jax-triton raises ImportError naming it; a list of
+    implementations moves on to the next (test_imports checks that importing the
+    module needs nothing optional)."""
+    from qsa_jax import _triton_call, sparse_gqa_attention
+
+    monkeypatch.setitem(sys.modules, "jax_triton", None)
+    _triton_call.default_launcher.cache_clear()
+    x = jnp.ones((1, 4, 2, 16), jnp.float32)
+    routes = np.zeros((1, 4, 2), np.int32)
+    try:
+        with pytest.raises(ImportError, match="jax-triton"):
+            jt.triton_sparse_gqa_attention(x, x, x, routes)
+        with pytest.raises(ImportError, match="jax-triton"):
+            sparse_gqa_attention(x, x, x, routes, implementation="triton")
+        out = sparse_gqa_attention(x, x, x, routes, implementation=("triton", "xla"))
+        assert out.shape == x.shape
+    finally:
+        _triton_call.default_launcher.cache_clear()
+
+
+def test_declines_what_it_cannot_run():
+    x = jnp.ones((1, 4, 2, 16), jnp.float32)
+    routes = np.zeros((1, 4, 2), np.int32)
+    with pytest.raises(NotImplementedError, match="head dim"):
+        attention(*(jnp.ones((1, 4, 2, 264), jnp.float32),) * 3, routes)
+    with pytest.raises(NotImplementedError, match="qsa_triton.BlockSizes"):
+        attention(x, x, x, routes, block_sizes=(64, 32))
+    with pytest.raises(TypeError, match="selected_token_ids"):
+        attention(x, x, x, routes.astype(np.float32))
+    from qsa_jax import sparse_gqa_attention
+
+    with pytest.raises(NotImplementedError, match="interpret"):
+        sparse_gqa_attention(x, x, x, routes, implementation="triton", interpret=True)
