@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Backend", "BACKENDS", "Environment", "Case", "static_reason", "register"]
+__all__ = ["Backend", "BACKENDS", "BITWISE_PAIRS", "Environment", "Case", "static_reason", "register"]
 
 # Products B * S_q * K * Hq above which an interpreted kernel (CPU emulation of a
 # GPU kernel) would take minutes: such cells are reported unavailable.
@@ -87,7 +87,10 @@ class Backend:
     ``load`` returns the function (imports happen there). ``dtypes``: the
     compute dtypes it accepts. ``requires``: extra static conditions,
     ``(env, case) -> reason or None``. ``interpreted``: runs a GPU kernel on
-    the CPU (small shapes only).
+    the CPU (small shapes only). ``forward_lse``: where the backend can say, a
+    loader of ``fn(query, key, value, routes, scale) -> (out, lse, ...)`` (its
+    forward without autograd, LSE ``[B, Hq, S_q]``), for the bitwise comparisons
+    of :data:`BITWISE_PAIRS`.
     """
 
     name: str
@@ -97,6 +100,7 @@ class Backend:
     requires: Callable[[Environment, Case], str | None] | None = field(default=None, compare=False)
     interpreted: bool = False
     description: str = ""
+    forward_lse: Callable[[], Callable[..., Any]] | None = field(default=None, compare=False)
 
 
 def _from_module(module: str, function: str, **kwargs) -> Callable[[], Callable[..., Any]]:
@@ -144,6 +148,12 @@ def _cudnn(env: Environment, case: Case) -> str | None:
 
 def _jax_gpu(env: Environment, case: Case) -> str | None:
     return None if env.jax_platform == "gpu" else "needs JAX on a CUDA GPU (see jax-pallas-interpret)"
+
+
+def _jax_triton(env: Environment, case: Case) -> str | None:
+    if env.jax_platform != "gpu":
+        return "needs JAX on a CUDA GPU (jax-triton has no CPU mode; the CPU tests emulate its launch)"
+    return None
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -200,8 +210,20 @@ register(Backend(
     "triton", "torch",
     _from_module("qsa_torch.triton_qsa", "triton_sparse_gqa_attention"),
     requires=_triton,
-    description="qsa_torch.triton_qsa (token-gather Triton kernels)",
+    description="qsa_torch.triton_qsa (the qsa_triton token-gather kernels through torch)",
+    forward_lse=_from_module("qsa_torch.triton_qsa", "forward_with_residuals"),
 ))
+register(Backend(
+    "jax-triton", "jax",
+    _from_module("qsa_jax.attention", "sparse_gqa_attention", implementation="triton"),
+    requires=_jax_triton,
+    description='qsa_jax.sparse_gqa_attention(implementation="triton"): the same kernels through jax-triton',
+    forward_lse=_from_module("qsa_jax.triton_qsa", "forward_with_lse"),
+))
+
+# Backends that launch the same kernels with the same launches: their forward output and
+# LSE must be equal bit for bit on the same inputs and GPU.
+BITWISE_PAIRS: tuple[tuple[str, str], ...] = (("triton", "jax-triton"),)
 
 
 def static_reason(backend: Backend, env: Environment, case: Case) -> str | None:

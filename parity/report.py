@@ -6,6 +6,7 @@ import json
 import os
 from collections import defaultdict
 
+from .backends import BITWISE_PAIRS
 from .runners import QUANTITIES
 from .suite import SuiteResult
 
@@ -170,19 +171,24 @@ def markdown(result: SuiteResult, command: str = "") -> str:
                 for n, b in result.backends.items()]),
         "",
     ]
+    parts += _bitwise_section(result)
     unavailable = _unavailable_rows(result)
     if unavailable:
         parts += ["## Not measured (unavailable or not run), and why", "",
                   _table(["backend", "quantities", "cases", "reason"], unavailable), ""]
     failing = [cell for cell in result.cells if cell.status in ("fail", "error")]
     failing_cross = [x for x in result.cross if x.status == "fail"]
-    if failing or failing_cross:
+    if failing or failing_cross or any(b.status != "pass" for b in result.bitwise):
         parts += ["## Failures", ""]
         for cell in failing:
             what = _fmt(cell.error) if cell.status == "fail" else cell.reason
             parts.append(f"- {_key_text(cell.case)} **{cell.backend}** {cell.quantity}: {what}")
         for x in failing_cross:
             parts.append(f"- {_key_text(x.case)} {x.first} vs {x.second} {x.quantity}: {_fmt(x.error)}")
+        for b in result.bitwise:
+            if b.status != "pass":
+                parts.append(f"- {_key_text(b.case)} {b.first} vs {b.second} forward not bitwise equal: "
+                             f"out {_fmt(b.out)}, LSE {_fmt(b.lse)} {b.reason}".rstrip())
         parts.append("")
     parts += ["## Every cell", "", _all_cells_table(result), ""]
     seconds: dict[str, float] = defaultdict(float)
@@ -197,6 +203,48 @@ def markdown(result: SuiteResult, command: str = "") -> str:
             parts += ["```", note[-1500:], "```"]
         parts.append("")
     return "\n".join(parts)
+
+
+_BITWISE_TEXT = (
+    "`{first}` (torch) and `{second}` (JAX) launch the same `qsa_triton` kernels, with launches built "
+    "by one function from one plan (tiles, unions, grids, warps, stages, constexprs, and the fp32 "
+    "scalars rounded once on the host): on the same inputs and GPU their forward output and LSE "
+    "must be equal bit for bit, max |diff| = 0 (anything else fails the run). The backward is not "
+    "judged here: dK and dV are sums of fp32 atomic adds by many programs, which the GPU orders "
+    "anew on every run (a framework against itself differs the same way), so dk and dv differ in "
+    "their last bits, while dq, summed in registers in a fixed order, follows the forward; all three "
+    "are held to the oracle's tolerance in the tables above. max |diff| of the values (16-bit outputs "
+    "compared exactly through fp32); equal infinities (the LSE of rows without routes) count as 0.")
+
+
+def _bitwise_section(result: SuiteResult) -> list[str]:
+    """The bitwise comparison of :data:`BITWISE_PAIRS`, or why it was not measured."""
+    parts = []
+    for first, second in BITWISE_PAIRS:
+        if first not in result.backends or second not in result.backends:
+            continue
+        parts += [f"## Bitwise: {first} vs {second} (the same kernels from two frameworks)", "",
+                  _BITWISE_TEXT.format(first=first, second=second), ""]
+        cells = [b for b in result.bitwise if (b.first, b.second) == (first, second)]
+        if not cells:
+            why = [f"`{name}`: {_backend_status(result, name)}" for name in (first, second)
+                   if not _backend_status(result, name).startswith("ran")]
+            parts += ["Not measured: the two never ran on the same case"
+                      + (f" ({'; '.join(why)})." if why else "."), ""]
+            continue
+        rows = [[b.case["layout"], b.case["family"], b.case["dtype"], _heads(b.case), _diff(b.out), _diff(b.lse),
+                 *(_diff(b.backward.get(q)) for q in QUANTITIES[1:]),
+                 "pass" if b.status == "pass" else f"**{b.status.upper()}** {b.reason}".rstrip()]
+                for b in cells]
+        parts += [_table(["layout", "family", "dtype", "heads", "out max|diff|", "LSE max|diff|", "dq", "dk", "dv",
+                          "forward bitwise"], rows), ""]
+    return parts
+
+
+def _diff(value: float | None) -> str:
+    if value is None or value != value:
+        return "—"
+    return "0" if value == 0 else f"{value:.2e}"
 
 
 def _backend_status(result: SuiteResult, name: str) -> str:
@@ -251,6 +299,14 @@ def summary_text(result: SuiteResult) -> str:
     for x in result.cross:
         if x.status == "fail":
             lines.append(f"FAIL {_key_text(x.case)} {x.first} vs {x.second} {x.quantity}: {_fmt(x.error)}")
+    for b in result.bitwise:
+        if b.status != "pass":
+            lines.append(f"FAIL {_key_text(b.case)} {b.first} vs {b.second} forward bitwise: out {_fmt(b.out)}, "
+                         f"LSE {_fmt(b.lse)} {b.reason[:200]}".rstrip())
+    if result.bitwise:
+        good = sum(b.status == "pass" for b in result.bitwise)
+        lines.append(f"bitwise forward (out, LSE) of {', '.join(f'{a} vs {b}' for a, b in BITWISE_PAIRS)}: "
+                     f"{good}/{len(result.bitwise)} cases equal bit for bit")
     lines.append(_verdict(result))
     return "\n".join(lines)
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CaseInputs", "ContractViolation", "run_backend", "oracle", "relative_error"]
+__all__ = ["CaseInputs", "ContractViolation", "run_backend", "run_forward_lse", "oracle", "relative_error",
+           "max_abs_diff"]
 
 QUANTITIES = ("out", "dq", "dk", "dv")
 
@@ -128,6 +129,45 @@ def run_backend(backend, inputs: CaseInputs, dtype: str, *, backward: bool):
     fn = backend.load()
     runner = _run_torch if backend.framework == "torch" else _run_jax
     return runner(fn, inputs, dtype, backward)
+
+
+def run_forward_lse(backend, inputs: CaseInputs, dtype: str):
+    """``(out, lse)`` of ``backend``'s forward without autograd (``Backend.forward_lse``),
+    as float32 torch tensors on the compare device (exact for 16-bit outputs)."""
+    fn = backend.forward_lse()
+    if backend.framework == "torch":
+        import torch
+
+        tdtype = getattr(torch, dtype)
+        device = compare_device()
+        with torch.no_grad():
+            out, lse = fn(*(_tensor(x, device, tdtype) for x in (inputs.q, inputs.k, inputs.v)),
+                          _tensor(inputs.routes, device, torch.int64), inputs.scale)[:2]
+        return out.float(), lse.float()
+    import jax
+    import jax.numpy as jnp
+
+    from qsa_jax.routes import prepare_routes
+
+    jdtype = jnp.dtype(dtype)
+    q, k, v = (jax.device_put(x).astype(jdtype) for x in (inputs.q, inputs.k, inputs.v))
+    out, lse = fn(q, k, v, jax.device_put(prepare_routes(inputs.routes)), inputs.scale)[:2]
+    return _jax_to_torch(out), _jax_to_torch(lse)
+
+
+def max_abs_diff(a, b) -> float:
+    """``max |a - b|`` in float64: 0 where the values are equal (equal infinities
+    included, as in the LSE of rows without routes), inf where either holds a NaN or
+    the shapes differ."""
+    import torch
+
+    if a.shape != b.shape:
+        return float("inf")
+    a, b = a.to(torch.float64), b.to(device=a.device, dtype=torch.float64)
+    d = torch.where(a == b, 0.0, (a - b).abs())
+    if bool(torch.isnan(d).any()):
+        return float("inf")
+    return float(d.max()) if d.numel() else 0.0
 
 
 def oracle(inputs: CaseInputs) -> tuple[tuple, str]:

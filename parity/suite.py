@@ -22,10 +22,10 @@ import numpy as np
 from qsa_common.generators import qsa_width
 from qsa_common.layouts import make_problem
 
-from .backends import BACKENDS, Backend, Case, Environment, load_reason, static_reason
-from .runners import QUANTITIES, CaseInputs, oracle, relative_error, run_backend
+from .backends import BACKENDS, BITWISE_PAIRS, Backend, Case, Environment, load_reason, static_reason
+from .runners import QUANTITIES, CaseInputs, max_abs_diff, oracle, relative_error, run_backend, run_forward_lse
 
-__all__ = ["TOLERANCE", "Config", "Cell", "CrossCell", "SuiteResult", "run_suite", "PRESETS",
+__all__ = ["TOLERANCE", "Config", "Cell", "CrossCell", "BitwiseCell", "SuiteResult", "run_suite", "PRESETS",
            "load_result", "merge_results"]
 
 # The contract's tolerances on ||x - ref|| / ||ref||.
@@ -95,12 +95,30 @@ class CrossCell:
 
 
 @dataclass
+class BitwiseCell:
+    """Two backends that launch the same kernels (:data:`parity.backends.BITWISE_PAIRS`)
+    on one case: ``max |a - b|`` of the forward's output and LSE (must be 0: ``status``
+    is pass only then) and of the backward's dq, dk, dv (reported, not judged: dK/dV
+    come from fp32 atomic adds, whose order the GPU picks anew on every run)."""
+
+    case: dict
+    first: str
+    second: str
+    out: float
+    lse: float
+    backward: dict[str, float]
+    status: str
+    reason: str = ""
+
+
+@dataclass
 class SuiteResult:
     config: Config
     environment: Environment
     seed: int
     cells: list[Cell] = field(default_factory=list)
     cross: list[CrossCell] = field(default_factory=list)
+    bitwise: list[BitwiseCell] = field(default_factory=list)
     backends: dict[str, dict] = field(default_factory=dict)
     oracles: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
@@ -111,7 +129,8 @@ class SuiteResult:
     @property
     def failures(self) -> int:
         return (sum(c.status in ("fail", "error") for c in self.cells)
-                + sum(c.status == "fail" for c in self.cross))
+                + sum(c.status == "fail" for c in self.cross)
+                + sum(c.status in ("fail", "error") for c in self.bitwise))
 
     def to_json(self) -> dict:
         return {
@@ -123,6 +142,7 @@ class SuiteResult:
             "oracles": self.oracles,
             "cells": [asdict(c) for c in self.cells],
             "cross": [asdict(c) for c in self.cross],
+            "bitwise": [asdict(c) for c in self.bitwise],
             "timings_s": self.timings,
             "notes": self.notes,
             "elapsed_s": round(self.elapsed, 2),
@@ -142,6 +162,7 @@ def load_result(data: dict) -> SuiteResult:
     result = SuiteResult(Config(**raw), Environment(**env), data["seed"])
     result.cells = [Cell(**c) for c in data["cells"]]
     result.cross = [CrossCell(**c) for c in data["cross"]]
+    result.bitwise = [BitwiseCell(**c) for c in data.get("bitwise", [])]
     result.backends = data["backends"]
     result.oracles = data["oracles"]
     result.timings = data["timings_s"]
@@ -165,6 +186,7 @@ def merge_results(parts: Sequence[SuiteResult]) -> SuiteResult:
     for part in parts:
         merged.cells += part.cells
         merged.cross += part.cross
+        merged.bitwise += part.bitwise
         merged.oracles.update(part.oracles)
         merged.timings.update(part.timings)
         merged.notes += part.notes
@@ -361,6 +383,24 @@ class _Runner:
                 err = relative_error(c, a)
                 result.cross.append(CrossCell(label, first, second, q, err, tol,
                                               "pass" if err < tol else "fail"))
+        for first, second in BITWISE_PAIRS:
+            if first in got and second in got:
+                self.bitwise(case, inputs, label, first, second, got)
+
+    def bitwise(self, case: Case, inputs: CaseInputs, label: dict, first: str, second: str, got: dict) -> None:
+        """The forward's out and LSE of two backends launching the same kernels, compared
+        bit for bit (max |diff|), and their backward's max |diff| as measured above."""
+        backward = {q: max_abs_diff(a, b) for q, a, b in zip(QUANTITIES[1:], got[first][1:], got[second][1:])}
+        try:
+            (out_a, lse_a), (out_b, lse_b) = (run_forward_lse(BACKENDS[name], inputs, case.dtype)
+                                              for name in (first, second))
+        except Exception as err:  # noqa: BLE001: a failure of this comparison, recorded as such
+            self.result.bitwise.append(BitwiseCell(label, first, second, float("nan"), float("nan"), backward,
+                                                   "error", f"{type(err).__name__}: {err}"[:500]))
+            return
+        out, lse = max_abs_diff(out_a, out_b), max_abs_diff(lse_a, lse_b)
+        status = "pass" if out == 0.0 and lse == 0.0 else "fail"
+        self.result.bitwise.append(BitwiseCell(label, first, second, out, lse, backward, status))
 
 
 def run_suite(

@@ -45,8 +45,10 @@ __all__ = [
     "build_flat_unions",
     "build_tile_unions",
     "default_block_sizes",
+    "forward_from_unions",
     "forward_with_residuals",
     "residual_shapes",
+    "route_unions",
     "triton_sparse_gqa_attention",
 ]
 
@@ -129,36 +131,78 @@ def triton_sparse_gqa_attention(
 
 
 # ---------------------------------------------------------------- residual form
-# For qsa_torch.api's custom ops: the forward hands back what the backward needs, so
-# a backward through the op does not run the forward again. Default block sizes only.
+# For qsa_torch.api's custom ops: the forward hands back what the backward needs, so a
+# backward through the op does not run the forward again; and for timing the pieces
+# apart (route_unions, forward_from_unions). The default block sizes unless given.
 _forward = _triton_launch.forward  # the forward kernel's launch (one name, so tests can count calls)
 
 
-def forward_with_residuals(query, key, value, selected_token_ids, softmax_scale: float):
+def _plan(query, key, block_sizes):
+    if block_sizes is None:
+        return _default_plan(query, key)
+    if not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
+    return make_plan(query.shape[2] // key.shape[2], query.shape[3], block_sizes)
+
+
+def _unions_of(query, key, union, count, rowbits, top_k: int, plan: Plan) -> TileUnions:
+    """The residual unions, checked against the shapes :func:`residual_shapes` announces."""
+    want = _union_shapes(plan, query.shape[0], query.shape[1], top_k, key.shape[1])
+    got = [(tuple(x.shape), x.dtype) for x in (union, count, rowbits)]
+    if got != want:
+        raise ValueError(f"unions of shapes {got} are not this plan's for K = {top_k}: {want}")
+    return TileUnions(union, count, rowbits, plan.rows_per_tile)
+
+
+def _union_shapes(plan: Plan, bsz: int, s_q: int, top_k: int, kv_length: int):
+    sort, cut = union_recipe(plan, s_q, top_k, kv_length, bsz)
+    n_tiles, width = (cut.n_sub, cut.width) if cut is not None else (sort.n_groups, sort.width)
+    return [((bsz, n_tiles, width), torch.int32), ((bsz, n_tiles), torch.int32), ((bsz, n_tiles, width), torch.int32)]
+
+
+def forward_with_residuals(query, key, value, selected_token_ids, softmax_scale: float, *,
+                           block_sizes: BlockSizes | None = None):
     """``(out, lse, union, count, rowbits)``: the output, its natural-log LSE
-    ``[B, Hq, S_q]`` fp32 and the unions, the residuals of :func:`backward_from_residuals`
-    (shapes: :func:`residual_shapes`). No autograd."""
-    checked, plan = _setup(query, key, value, selected_token_ids, softmax_scale)
+    ``[B, Hq, S_q]`` fp32 and the route unions, the residuals of
+    :func:`backward_from_residuals` (shapes: :func:`residual_shapes`). No autograd."""
+    checked, plan = _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes)
     unions = build_unions(selected_token_ids, checked.dims.kv_length, plan)
     out, lse = _forward(query, key, value, unions, checked.scale, plan)
     return out, lse, unions.union, unions.count, unions.rowbits
 
 
-def residual_shapes(query, key, selected_token_ids) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def residual_shapes(query, key, selected_token_ids, *,
+                    block_sizes: BlockSizes | None = None) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of :func:`forward_with_residuals`'s results, from metadata only."""
     bsz, s_q, hq, _ = query.shape
-    plan = _default_plan(query, key)
-    sort, cut = union_recipe(plan, s_q, selected_token_ids.shape[2], key.shape[1], bsz)
-    n_tiles, width = (cut.n_sub, cut.width) if cut is not None else (sort.n_groups, sort.width)
+    plan = _plan(query, key, block_sizes)
     return [(tuple(query.shape), query.dtype), ((bsz, hq, s_q), torch.float32),
-            ((bsz, n_tiles, width), torch.int32), ((bsz, n_tiles), torch.int32),
-            ((bsz, n_tiles, width), torch.int32)]
+            *_union_shapes(plan, bsz, s_q, selected_token_ids.shape[2], key.shape[1])]
 
 
 def backward_from_residuals(grad_out, query, key, value, out, lse, union, count, rowbits,
-                            softmax_scale: float, top_k: int):
-    """``(dq, dk, dv)`` from :func:`forward_with_residuals`'s results (same inputs;
-    ``top_k``: K of their ``[B, S_q, K]`` routes)."""
-    plan = _default_plan(query, key)
-    unions = backward_unions(TileUnions(union, count, rowbits, plan.rows_per_tile), plan, top_k, query.shape[1])
+                            softmax_scale: float, top_k: int, *, block_sizes: BlockSizes | None = None):
+    """``(dq, dk, dv)`` from :func:`forward_with_residuals`'s results (same inputs and
+    block sizes; ``top_k``: K of their ``[B, S_q, K]`` routes)."""
+    plan = _plan(query, key, block_sizes)
+    unions = backward_unions(_unions_of(query, key, union, count, rowbits, top_k, plan), plan, top_k,
+                             query.shape[1])
     return _triton_launch.backward(query, key, value, out, lse, grad_out, unions, softmax_scale, plan)
+
+
+def route_unions(query, key, selected_token_ids, *, block_sizes: BlockSizes | None = None):
+    """``(union, count, rowbits)``: the route unions alone, as :func:`forward_with_residuals`
+    builds them (``selected_token_ids`` checked as the contract says; ``query`` and ``key``
+    give the sizes and the device)."""
+    _, plan = _setup(query, key, key, selected_token_ids, 1.0, block_sizes)
+    unions = build_unions(selected_token_ids, key.shape[1], plan)
+    return unions.union, unions.count, unions.rowbits
+
+
+def forward_from_unions(query, key, value, union, count, rowbits, softmax_scale: float, top_k: int, *,
+                        block_sizes: BlockSizes | None = None):
+    """``(out, lse)``: the forward kernel alone over :func:`route_unions`' results
+    (``top_k``: K of the routes they came from)."""
+    plan = _plan(query, key, block_sizes)
+    unions = _unions_of(query, key, union, count, rowbits, top_k, plan)
+    return _forward(query, key, value, unions, softmax_scale, plan)

@@ -14,6 +14,7 @@ same interpreter, bit for bit against the torch launch of the same kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -273,3 +274,38 @@ def test_declines_what_it_cannot_run():
 
     with pytest.raises(NotImplementedError, match="interpret"):
         sparse_gqa_attention(x, x, x, routes, implementation="triton", interpret=True)
+
+
+def test_parity_suite_bitwise_column(monkeypatch, tmp_path):
+    """The parity suite's bitwise comparison of torch triton and jax-triton (here with
+    the interpreted launcher standing in for jax-triton): forward out and LSE max |diff|
+    0, reported in its own table with the backward's differences; a perturbed LSE fails
+    the run."""
+    import functools
+
+    from parity import backends as pb
+    from parity.report import markdown
+    from parity.suite import Config, run_suite
+
+    fake = pb.Backend("jax-triton", "jax",
+                      lambda: functools.partial(jt.triton_sparse_gqa_attention, launcher=LAUNCHER),
+                      forward_lse=lambda: functools.partial(jt.forward_with_lse, launcher=LAUNCHER))
+    monkeypatch.setitem(pb.BACKENDS, "jax-triton", fake)
+    config = Config(layouts=("packed",), families=("qsa", "adversarial"), dtypes=("float32",), heads=((4, 2),),
+                    head_dim=16, seq_len=16, top_k=2, seed=3, backends=("triton", "jax-triton"))
+    env = pb.Environment.detect()
+    result = run_suite(config, env=env)
+    assert result.failures == 0, [c for c in result.cells if c.status != "pass"]
+    assert len(result.bitwise) == 2 and all(b.status == "pass" and b.out == b.lse == 0 for b in result.bitwise)
+    text = markdown(result)
+    assert "## Bitwise: triton vs jax-triton" in text and "| out max|diff| | LSE max|diff| |" in text
+
+    def shifted(*args, **kwargs):
+        out, lse = jt.forward_with_lse(*args, launcher=LAUNCHER, **kwargs)
+        return out, lse + 1e-6
+
+    monkeypatch.setitem(pb.BACKENDS, "jax-triton", pb.Backend("jax-triton", "jax", fake.load,
+                                                              forward_lse=lambda: shifted))
+    failing = run_suite(dataclasses.replace(config, families=("qsa",)), env=env)
+    assert failing.failures == 1 and failing.bitwise[0].status == "fail" and failing.bitwise[0].lse > 0
+    assert "forward not bitwise equal" in markdown(failing)

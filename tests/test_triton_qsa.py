@@ -441,6 +441,14 @@ def test_residual_form_with_a_flat_default(monkeypatch):
                                    do.cpu().double().numpy())
     for name, got, ref in zip(("out", "dq", "dk", "dv"), (results[0], *grads), want):
         assert relative_error(got.cpu().double().numpy(), ref) < 1e-5, name
+    # the pieces apart: the unions alone, the forward kernel alone, the same bits
+    unions = triton_qsa.route_unions(q, k, routes)
+    for a, b in zip(unions, results[2:]):
+        assert torch.equal(a, b)
+    out, lse = triton_qsa.forward_from_unions(q, k, v, *unions, 0.3, routes.shape[2])
+    assert torch.equal(out, results[0]) and torch.equal(lse, results[1])
+    with pytest.raises(ValueError, match="not this plan's"):
+        triton_qsa.forward_from_unions(q, k, v, *unions, 0.3, 1)
 
 
 def _flat_routes(rng, s_q, kv_length, width=5):
