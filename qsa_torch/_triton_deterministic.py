@@ -322,6 +322,9 @@ def deterministic_dk_dv(
           or index.order.shape != (bsz * index.n_blocks,) or index.start.device != query.device):
         raise ValueError(f"index does not belong to these routes with block_n={blocks.block_n} "
                          f"(S_kv={s_kv}, B={bsz}, device {query.device})")
+    if s_q * dims.group_size > 2**31 - 1:
+        raise ValueError(f"S_q * Hq / Hkv = {s_q * dims.group_size} (row, head) pairs per key block exceed "
+                         "int32, which numbers them")
     if bsz * index.n_blocks * hkv > _MAX_GRID:
         raise ValueError(f"B * key blocks * Hkv = {bsz * index.n_blocks * hkv} programs exceed CUDA's "
                          f"grid limit {_MAX_GRID}: split the batch")

@@ -47,8 +47,8 @@ and BLOCK_N = 64: 128 registers per thread with 8 warps), so that the dK/dV prod
 M = D_PAD for any BLOCK_N; K/V of the block are read once into shared memory (one
 pipeline stage keeps that copy out of the loop) and each step gathers one chunk of Q/dO.
 Compiled for sm_90a (ptxas, 8 warps, one stage, 16-bit, D = 256), BLOCK_N x BLOCK_M =
-64 x 64 spills 256 bytes, 64 x 32 nothing, 32 x 128 and 16 x 128 8 and 24 bytes (172 and
-152 KiB of shared memory). Long unions (early keys are routed by many rows) make long
+32 x 128 and 16 x 128 spill nothing (172 and 152 KiB of shared memory), 64 x 64 244
+bytes. Long unions (early keys are routed by many rows) make long
 programs: the launch takes segments longest first (``ORDER``); none is split.
 
 Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
@@ -147,7 +147,7 @@ def _kv_step(p0, n_pairs, first, rows, bits_ptr, q_base, do_base, lse_base, delt
     ds = tl.where(member, prob * (dp - delta[:, None]), 0.0)
     # transposed products, dV^T += dO^T P and dK^T += Q^T dS: M = D_PAD fills the wgmma
     # tiles of both warpgroups whatever BLOCK_N is, and every operand is read from
-    # shared memory (ptxas, sm_90a: no spills at BLOCK_N = 32, BLOCK_M = 128)
+    # shared memory
     dv += mm(tl.trans(do), cast(prob, do.dtype, INTERPRET), IEEE)
     dk += mm(tl.trans(q), cast(ds, q.dtype, INTERPRET), IEEE)
     return dk, dv
@@ -194,7 +194,8 @@ def kv_backward_kernel(
     v = tl.load(V + b * sv_b + g * sv_h + key[:, None] * sv_s + d[None, :] * sv_d, mask=kv_mask, other=0.0)
 
     first = load_count(START, seg)
-    n_pairs = (load_count(START, seg + 1) - first) * G
+    # pairs within one segment are numbered in int32 (the host checks S_q * G < 2**31)
+    n_pairs = ((load_count(START, seg + 1) - first) * G).to(tl.int32)
     q_base = Q + b * sq_b
     do_base = DO + b * sdo_b
     lse_base = LSE + b * sl_b
