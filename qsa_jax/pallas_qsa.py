@@ -12,6 +12,12 @@ pairs of one KV head, with a per-ID bitmask saying which rows route to it.
 Work is proportional to S_q * |union| (about 1.5 K for QSA-format routes), never
 S^2. Inputs are validated by :func:`qsa_jax.attention.sparse_gqa_attention`;
 :func:`pallas_sparse_gqa_attention` validates too when called directly.
+
+JAX's own implementation of the algorithm whose Triton kernels ``qsa_triton`` holds
+(``implementation="triton"``), sharing their tiling arithmetic. Module layout: this
+module is the API, launches and custom_vjp; ``_pallas_tiles`` the geometry, unions
+and arrangement; ``_pallas_kernels`` the kernels. Launch grids are (tiles, batch, KV
+heads); Pallas' Triton lowering folds the y and z axes into x past CUDA's 65535.
 """
 
 from __future__ import annotations
@@ -24,12 +30,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._pallas_atomics import relaxed_addupdate
+from ._pallas_kernels import backward_kernel, forward_kernel
+from ._pallas_tiles import Geometry as _Geometry
+from ._pallas_tiles import arrange_queries as _arrange_queries
+from ._pallas_tiles import flat_route_union, tile_route_union
+from ._pallas_tiles import pad_head_dim as _pad_head_dim
+from ._pallas_tiles import restore_queries as _restore_queries
+from ._pallas_tiles import route_union as _route_union
 from .routes import gpu_capability, on_gpu, prepare_routes, validate_inputs
 
-__all__ = ["BlockSizes", "pallas_sparse_gqa_attention", "tile_route_union"]
-
-_NO_ID = jnp.iinfo(jnp.int32).max  # sorts after every valid ID
+__all__ = ["BlockSizes", "flat_route_union", "pallas_sparse_gqa_attention", "tile_route_union"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,17 +54,16 @@ class BlockSizes:
     ``block_m`` consecutive (query row, head) pairs instead of T rows x G_pad heads,
     so no matrix row is head padding (G=12 pads a quarter of every dot otherwise);
     its rows span up to ``(block_m - 1) // G + 2`` query rows. On by default for
-    16-bit inputs at D > 128 on SM90/SM100 or an unknown GPU (measured faster there,
-    see :meth:`default`). Where the backward's geometry (``*_bwd``) equals the
-    forward's, the backward reuses the forward's route unions instead of sorting the
-    routes again; they are then residuals that live from forward to backward (union
-    and row bits, int32 ``[B, n_programs, ~span * K]`` each: about 0.56 GiB per layer
-    at S=32768, G=12, K=2052). ``block_m_bwd=64`` trades that memory for a second
-    sort and a slower backward (58.2 against 39.4 ms forward+backward there).
-    ``lean_backward``: compute and add the dK/dV blocks transposed (dV^T = dO^T P,
-    dK^T = Q^T dS), the same results; for sm_90a it removes ptxas's warning that the
-    backward's wgmma instructions are serialized for lack of registers (C7512). Not yet
-    timed on a GPU, so off.
+    16-bit inputs at D > 128 on SM90/SM100 or an unknown GPU (see :meth:`default`).
+    Where the backward's geometry (``*_bwd``) equals the forward's, the backward reuses
+    the forward's route unions instead of sorting the routes again; they are then
+    residuals that live from forward to backward (union and row bits, int32
+    ``[B, n_programs, ~span * K]`` each: about 0.56 GiB per layer at S=32768, G=12,
+    K=2052). A smaller ``block_m_bwd`` trades that memory for a second sort and a slower
+    backward. ``lean_backward``: compute and add the dK/dV blocks transposed (dV^T =
+    dO^T P, dK^T = Q^T dS), the same results; for sm_90a it removes ptxas's warning
+    that the backward's wgmma instructions are serialized for lack of registers
+    (C7512). Off until timed on the H200 (``scripts/gpu/probe_kernels.py``).
     """
 
     block_m: int = 128
@@ -79,17 +88,13 @@ class BlockSizes:
     @classmethod
     def default(cls, head_dim: int, interpret: bool, dtype=jnp.bfloat16,
                 capability: tuple[int, int] | None = None) -> "BlockSizes":
-        """The defaults: tuned on the H200 for 16-bit inputs at D=256 (S=32768, (24,2),
-        QSA routes: forward 11.9 ms with 3 stages against 12.4 with 2; backward 49.9 ms
-        with 64-ID chunks against 60.4 with 32; flattened heads, which only change
-        groups that are not a power of two, 9.7 ms forward and 39.9 ms backward against
-        12.0 and 49.6 padded, the unions 4.3 ms against 4.1; backward programs of 128
-        flat pairs, 26.1 ms against 40.4 at 64, and the forward's unions reused:
-        forward+backward 39.4 ms against 58.2, docs/benchmarks.md); small tiles for interpret
-        mode; for fp32 inputs tiles that fit the 227 KiB of shared memory (fp32 operands
-        take twice the bytes: the 16-bit tiles asked for 385 KiB there). The tuned 16-bit
-        backward takes 192 KiB per program: GPUs of a known ``capability`` other than
-        SM90/SM100 (227 KiB per block; SM80 has 163, SM120 99) get those small tiles too."""
+        """The defaults. Tuned on H200 for D=256 bf16 (S=32768, (24,2), QSA routes; see
+        docs/benchmarks.md): flat programs of 128 pairs over 64-ID chunks forward and
+        backward, 3 forward stages, the forward's unions reused by the backward. Small
+        tiles in interpret mode; for fp32 inputs tiles that fit 227 KiB of shared memory
+        (fp32 operands take twice the bytes). The tuned 16-bit backward takes 192 KiB per
+        program: GPUs of a known ``capability`` other than SM90/SM100 (227 KiB per block;
+        SM80 has 163, SM120 99) get the small tiles too."""
         if interpret:
             return cls(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
         small_memory = capability is not None and capability[0] not in (9, 10)
@@ -98,252 +103,6 @@ class BlockSizes:
         if head_dim <= 128:  # not measured at these head dims
             return cls(block_m=128, block_k=64, num_stages=2, block_m_bwd=128, block_k_bwd=32)
         return cls(flatten_heads=True, block_m_bwd=128)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Geometry:
-    """Static sizes derived from the inputs and a (block_m, block_k) choice.
-
-    Padded (default): a program's ``block_m`` rows are T query rows x G_pad heads.
-    Flat: they are ``block_m`` consecutive (query row, head) pairs of one KV head's
-    group (no head padding); ``rows`` then bounds how many query rows one program spans.
-    """
-
-    group: int  # G = Hq // Hkv
-    group_pad: int  # padded: G rounded up to a power of two; flat: G
-    rows: int  # padded: T, query rows per tile; flat: most query rows one program spans
-    block_m: int
-    head_dim_pad: int
-    block_k: int
-    flat: bool = False
-
-    @staticmethod
-    def make(group: int, head_dim: int, block_m: int, block_k: int, flat: bool = False) -> "_Geometry":
-        head_dim_pad = max(16, pl.next_power_of_2(head_dim))
-        group_pad = pl.next_power_of_2(group)
-        if flat and group != group_pad:
-            span = lambda m: (m - 1) // group + 2  # noqa: E731 - rows that m pairs can touch
-            while block_m > 16 and span(block_m) > 16:
-                block_m //= 2
-            return _Geometry(group, group, span(block_m), block_m, head_dim_pad, block_k, True)
-        rows = max(1, min(16, block_m // group_pad))
-        if rows * group_pad < 16:  # dots need M >= 16
-            rows = -(-16 // group_pad)
-        return _Geometry(group, group_pad, rows, rows * group_pad, head_dim_pad, block_k)
-
-
-# ----------------------------------------------------------------- preprocessing
-def tile_route_union(routes: jax.Array, rows: int, block_k: int):
-    """Per tile of ``rows`` consecutive query rows: the union of their routes.
-
-    Args:
-        routes: ``[B, S_q, K]`` int32 routes; IDs < 0 are padding (call with
-            IDs already clipped to ``[-1, S_kv)``, S_kv * rows < 2**31).
-            Duplicates are allowed.
-        rows: T, query rows per tile (<= 32).
-        block_k: the union width is padded to a multiple of this.
-
-    Returns:
-        ``union [B, n_tiles, U]`` int32 ascending distinct IDs then -1,
-        ``rowbits [B, n_tiles, U]`` int32 (bit t: row t of the tile routes to
-        the ID), ``count [B, n_tiles, 1]`` int32 number of distinct IDs, with
-        ``n_tiles = ceil(S_q / T)`` and ``U = round_up(T * K, block_k)``.
-    """
-    bsz, s_q, width = routes.shape
-    n_tiles = -(-s_q // rows)
-    r = jnp.pad(routes, ((0, 0), (0, n_tiles * rows - s_q), (0, 0)), constant_values=-1)
-    return _union_of_row_groups(r.reshape(bsz, n_tiles, rows * width), rows, width, block_k)
-
-
-def _flat_blocks(s_q: int, geo: _Geometry):
-    """Flat geometry: per program, the query rows ``[n, rows]`` it may touch and which
-    of them it does."""
-    n_blocks = -(-s_q * geo.group // geo.block_m)
-    first_pair = jnp.arange(n_blocks, dtype=jnp.int32) * geo.block_m
-    last_row = jnp.minimum((first_pair + geo.block_m - 1) // geo.group, s_q - 1)
-    row = (first_pair // geo.group)[:, None] + jnp.arange(geo.rows, dtype=jnp.int32)[None, :]
-    return row, row <= last_row[:, None]
-
-
-def flat_route_union(routes: jax.Array, geo: _Geometry):
-    """:func:`tile_route_union` for a flat geometry: per program, the union of the
-    routes of the query rows its ``block_m`` (row, head) pairs touch; bit t of
-    ``rowbits`` is row ``first_row + t`` of the program."""
-    bsz, s_q, width = routes.shape
-    row, ok = _flat_blocks(s_q, geo)
-    r = jnp.where(ok[None, :, :, None], routes[:, jnp.minimum(row, s_q - 1), :], -1)
-    return _union_of_row_groups(r.reshape(bsz, row.shape[0], geo.rows * width), geo.rows, width,
-                                geo.block_k)
-
-
-def _route_union(routes: jax.Array, geo: _Geometry):
-    return flat_route_union(routes, geo) if geo.flat else tile_route_union(routes, geo.rows, geo.block_k)
-
-
-def _union_of_row_groups(r: jax.Array, rows: int, width: int, block_k: int):
-    """Union, row bits and count of each group ``r[b, g]`` of ``rows`` route rows
-    (``[B, n, rows * width]``, row t's routes at ``[t * width, (t + 1) * width)``)."""
-    bsz, n_tiles, _ = r.shape
-    # One int32 sort key per (ID, row) pair: a single-operand sort (XLA can hand
-    # it to a radix sort) instead of a two-key comparator sort.
-    tok = jnp.broadcast_to(jnp.repeat(jnp.arange(rows, dtype=jnp.int32), width), r.shape)
-    keys = jnp.sort(jnp.where(r >= 0, r * rows + tok, _NO_ID), axis=2)
-    valid = keys != _NO_ID
-    ids, tok = keys // rows, keys % rows
-    prev_key = jnp.pad(keys[..., :-1], ((0, 0), (0, 0), (1, 0)), constant_values=-1)
-    first = valid & (ids != prev_key // rows)
-    # a repeated (ID, row) pair adds its bit once
-    fresh = valid & (keys != prev_key)
-    slot = jnp.cumsum(first, axis=2, dtype=jnp.int32) - 1
-    width_pad = -(-rows * width // block_k) * block_k
-    slot = jnp.where(valid, slot, width_pad)  # out of bounds: dropped
-
-    def scatter(slot_t, ids_t, bits_t, first_t):
-        union = jnp.full((width_pad,), -1, jnp.int32).at[jnp.where(first_t, slot_t, width_pad)].set(
-            ids_t, mode="drop"
-        )
-        rowbits = jnp.zeros((width_pad,), jnp.int32).at[slot_t].add(bits_t, mode="drop")
-        return union, rowbits
-
-    bits = jnp.where(fresh, jnp.left_shift(jnp.int32(1), tok), 0)
-    flat = lambda x: x.reshape(bsz * n_tiles, -1)  # noqa: E731
-    union, rowbits = jax.vmap(scatter)(flat(slot), flat(ids), flat(bits), flat(first))
-    count = jnp.sum(first, axis=2, dtype=jnp.int32)[..., None]
-    return union.reshape(bsz, n_tiles, width_pad), rowbits.reshape(bsz, n_tiles, width_pad), count
-
-
-def _arrange_queries(x: jax.Array, geo: _Geometry, kv_heads: int) -> jax.Array:
-    """``[B, S_q, Hq, D]`` -> ``[B, Hkv, n_tiles * block_m, D_pad]`` (zero padded)."""
-    bsz, s_q, _, d = x.shape
-    if geo.flat:
-        x = x.reshape(bsz, s_q, kv_heads, geo.group, d).transpose(0, 2, 1, 3, 4)
-        x = x.reshape(bsz, kv_heads, s_q * geo.group, d)
-        total = -(-s_q * geo.group // geo.block_m) * geo.block_m
-        return jnp.pad(x, ((0, 0), (0, 0), (0, total - s_q * geo.group), (0, geo.head_dim_pad - d)))
-    n_tiles = -(-s_q // geo.rows)
-    x = jnp.pad(x, ((0, 0), (0, n_tiles * geo.rows - s_q), (0, 0), (0, geo.head_dim_pad - d)))
-    x = x.reshape(bsz, n_tiles, geo.rows, kv_heads, geo.group, geo.head_dim_pad)
-    x = jnp.pad(x, ((0, 0),) * 4 + ((0, geo.group_pad - geo.group), (0, 0)))
-    x = x.transpose(0, 3, 1, 2, 4, 5)
-    return x.reshape(bsz, kv_heads, n_tiles * geo.block_m, geo.head_dim_pad)
-
-
-def _restore_queries(x: jax.Array, geo: _Geometry, s_q: int, head_dim: int) -> jax.Array:
-    """Inverse of :func:`_arrange_queries`."""
-    bsz, kv_heads, total, _ = x.shape
-    if geo.flat:
-        x = x[:, :, : s_q * geo.group, :head_dim].reshape(bsz, kv_heads, s_q, geo.group, head_dim)
-        return x.transpose(0, 2, 1, 3, 4).reshape(bsz, s_q, kv_heads * geo.group, head_dim)
-    n_tiles = total // geo.block_m
-    x = x.reshape(bsz, kv_heads, n_tiles, geo.rows, geo.group_pad, geo.head_dim_pad)
-    x = x[:, :, :, :, : geo.group, :head_dim].transpose(0, 2, 3, 1, 4, 5)
-    return x.reshape(bsz, n_tiles * geo.rows, kv_heads * geo.group, head_dim)[:, :s_q]
-
-
-def _pad_head_dim(x: jax.Array, head_dim_pad: int) -> jax.Array:
-    d = x.shape[-1]
-    return x if d == head_dim_pad else jnp.pad(x, ((0, 0),) * 3 + ((0, head_dim_pad - d),))
-
-
-# ----------------------------------------------------------------------- kernels
-def _dot(a, b, *, trans_b=False, trans_a=False):
-    """fp32-accumulating dot; exact fp32 (no tf32) for fp32 operands."""
-    allow_tf32 = False if a.dtype == jnp.float32 else None
-    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
-
-
-def _rows_of(geo: _Geometry) -> jax.Array:
-    """For each of the program's M rows, its query row's bit in ``rowbits``."""
-    m = jnp.arange(geo.block_m, dtype=jnp.int32)
-    if not geo.flat:
-        return m // geo.group_pad
-    first_pair = pl.program_id(0) * geo.block_m
-    return (first_pair + m) // geo.group - first_pair // geo.group
-
-
-def _chunk(union_ref, bits_ref, c, geo: _Geometry, rows_of: jax.Array):
-    """Union chunk ``c``: IDs clamped for addressing, which are real, and the [M, BK] membership."""
-    span = pl.ds(c * geo.block_k, geo.block_k)
-    ids = union_ref[span]
-    bits = bits_ref[span]
-    member = (jnp.right_shift(bits[None, :], rows_of[:, None]) & 1) == 1
-    return jnp.maximum(ids, 0), ids >= 0, member
-
-
-def _gather(ref, ids, real, head_dim_pad):
-    """Rows ``ids`` of ``ref``; padding IDs (which address row 0) give zero rows,
-    so a non-finite row 0 cannot reach other rows through 0 * NaN."""
-    rows = ref[ids[:, None], jnp.arange(head_dim_pad)[None, :]]
-    return jnp.where(real[:, None], rows, jnp.zeros_like(rows))
-
-
-def _forward_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, o_ref, lse_ref, *,
-                    scale: float, geo: _Geometry):
-    m_rows = geo.block_m
-    rows_of = _rows_of(geo)
-    q = q_ref[...]
-    n_chunks = pl.cdiv(count_ref[0], geo.block_k)
-
-    def body(c, carry):
-        acc, m_prev, l_prev = carry
-        ids, real, member = _chunk(union_ref, bits_ref, c, geo, rows_of)
-        k = _gather(k_ref, ids, real, geo.head_dim_pad)
-        v = _gather(v_ref, ids, real, geo.head_dim_pad)
-        s = jnp.where(member, _dot(q, k, trans_b=True) * scale, -jnp.inf)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing yet
-        alpha = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(s - m_safe[:, None])
-        l_next = alpha * l_prev + jnp.sum(p, axis=1)
-        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
-        return acc, m_next, l_next
-
-    init = (
-        jnp.zeros((m_rows, geo.head_dim_pad), jnp.float32),
-        jnp.full((m_rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((m_rows,), jnp.float32),
-    )
-    acc, m_i, l_i = jax.lax.fori_loop(0, n_chunks, body, init)
-    has = l_i > 0
-    o_ref[...] = jnp.where(has[:, None], acc / jnp.where(has, l_i, 1.0)[:, None], 0.0).astype(
-        o_ref.dtype
-    )
-    lse_ref[...] = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)), jnp.inf)
-
-
-def _backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, union_ref, bits_ref,
-                     count_ref, dk_in_ref, dv_in_ref, dq_ref, dk_ref, dv_ref, *,
-                     scale: float, geo: _Geometry, lean: bool = False):
-    del dk_in_ref, dv_in_ref  # aliased with dk_ref / dv_ref
-    m_rows = geo.block_m
-    rows_of = _rows_of(geo)
-    cols = jnp.arange(geo.head_dim_pad)[None, :]
-    q = q_ref[...]
-    do = do_ref[...]
-    lse = lse_ref[...]
-    delta = delta_ref[...]
-    n_chunks = pl.cdiv(count_ref[0], geo.block_k)
-
-    def body(c, dq):
-        ids, real, member = _chunk(union_ref, bits_ref, c, geo, rows_of)
-        k = _gather(k_ref, ids, real, geo.head_dim_pad)
-        v = _gather(v_ref, ids, real, geo.head_dim_pad)
-        s = _dot(q, k, trans_b=True) * scale
-        p = jnp.where(member, jnp.exp(s - lse[:, None]), 0.0)
-        dp = _dot(do, v, trans_b=True)
-        ds = p * (dp - delta[:, None])
-        dq = dq + _dot(ds.astype(k.dtype), k)
-        # padding IDs point at row 0 with all-zero contributions
-        if lean:  # dV^T = dO^T P, dK^T = Q^T dS: the same products, added transposed
-            relaxed_addupdate(dv_ref, (ids[None, :], cols.T), _dot(do, p.astype(do.dtype), trans_a=True))
-            relaxed_addupdate(dk_ref, (ids[None, :], cols.T), scale * _dot(q, ds.astype(q.dtype), trans_a=True))
-        else:
-            relaxed_addupdate(dv_ref, (ids[:, None], cols), _dot(p.astype(do.dtype), do, trans_a=True))
-            relaxed_addupdate(dk_ref, (ids[:, None], cols), scale * _dot(ds.astype(q.dtype), q, trans_a=True))
-        return dq
-
-    dq = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((m_rows, geo.head_dim_pad), jnp.float32))
-    dq_ref[...] = (scale * dq).astype(dq_ref.dtype)
 
 
 # --------------------------------------------------------------------- launchers
@@ -365,7 +124,7 @@ def _forward_call(q, k, v, union, bits, count, geo: _Geometry, scale, bs: BlockS
     k_pad, v_pad = _pad_head_dim(k, geo.head_dim_pad), _pad_head_dim(v, geo.head_dim_pad)
     q_spec, row_spec, kv_spec, union_spec, count_spec = _specs(geo, kv_length, union.shape[2])
     return pl.pallas_call(
-        functools.partial(_forward_kernel, scale=scale, geo=geo),
+        functools.partial(forward_kernel, scale=scale, geo=geo),
         grid=(n_tiles, bsz, hkv),
         in_specs=[q_spec, kv_spec, kv_spec, union_spec, union_spec, count_spec],
         out_specs=[q_spec, row_spec],
@@ -401,7 +160,7 @@ def _backward_call(q, k, v, do, lse, delta, union, bits, count, geo: _Geometry, 
     zeros = jnp.zeros(acc_shape, jnp.float32)
     q_spec, row_spec, kv_spec, union_spec, count_spec = _specs(geo, kv_length, union.shape[2])
     return pl.pallas_call(
-        functools.partial(_backward_kernel, scale=scale, geo=geo, lean=bs.lean_backward),
+        functools.partial(backward_kernel, scale=scale, geo=geo, lean=bs.lean_backward),
         grid=(n_tiles, bsz, hkv),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, union_spec, union_spec,
                   count_spec, kv_spec, kv_spec],

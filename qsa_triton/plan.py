@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .config import MAX_ROWS_PER_TILE, BlockSizes
 
 __all__ = ["MAX_GRID_Y", "MAX_GRID_X", "INT32_MAX", "Plan", "make_plan", "next_pow2",
-           "flat_union_rows", "program_rows", "KeyPlan", "SortStep", "CutStep", "union_recipe",
+           "flat_span", "flat_pairs", "flat_union_rows", "program_rows", "KeyPlan", "SortStep", "CutStep", "union_recipe",
            "tile_cut", "backward_cut", "fold_grid", "offsets_fit_int32"]
 
 MAX_GRID_Y = 65535  # CUDA's limit on grid dimensions y and z
@@ -73,11 +73,9 @@ def make_plan(group: int, head_dim: int, blocks: BlockSizes, *, max_grid_y: int 
     head_dim_pad = max(16, next_pow2(head_dim))
     limits = dict(max_grid_y=max_grid_y, offset_limit=offset_limit)
     if blocks.flatten_heads and group != g_pad:
-        pairs = blocks.block_m
-        while pairs > 16 and (pairs - 1) // group + 2 > MAX_ROWS_PER_TILE:
-            pairs //= 2
-        span = next_pow2((pairs - 1) // group + 2)
-        return Plan(span, group, pairs, pairs, head_dim_pad, blocks, flat=True, **limits)
+        pairs = flat_pairs(blocks.block_m, group, MAX_ROWS_PER_TILE)
+        return Plan(next_pow2(flat_span(pairs, group)), group, pairs, pairs, head_dim_pad, blocks, flat=True,
+                    **limits)
     heads = min(g_pad, blocks.block_m)
     # every dot needs M >= 16: a small group simply gets more rows per tile
     rows = max(1, min(MAX_ROWS_PER_TILE, blocks.block_m // heads))
@@ -94,9 +92,25 @@ def make_plan(group: int, head_dim: int, blocks: BlockSizes, *, max_grid_y: int 
                 bwd_rows=0 if bwd_rows == rows else bwd_rows, **limits)
 
 
-def program_rows(first_pair: int, pairs: int, group: int) -> tuple[int, int]:
+def flat_span(pairs: int, group: int) -> int:
+    """The most query rows a run of ``pairs`` consecutive (row, head) pairs over ``group``
+    heads can touch (it may start at any head)."""
+    return (pairs - 1) // group + 2
+
+
+def flat_pairs(block_m: int, group: int, max_rows: int) -> int:
+    """Pairs per flat program: ``block_m`` halved (not below 16) until a program spans at
+    most ``max_rows`` query rows (the kernels' row bitmask bound)."""
+    pairs = block_m
+    while pairs > 16 and flat_span(pairs, group) > max_rows:
+        pairs //= 2
+    return pairs
+
+
+def program_rows(first_pair, pairs: int, group: int):
     """First and last query row (inclusive) of the flat program of (row, head) pairs
-    ``[first_pair, first_pair + pairs)`` over ``group`` heads (the kernels' rule too)."""
+    ``[first_pair, first_pair + pairs)`` over ``group`` heads (the kernels' rule too;
+    ``first_pair`` may be an int or an integer array)."""
     return first_pair // group, (first_pair + pairs - 1) // group
 
 

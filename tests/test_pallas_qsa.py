@@ -394,3 +394,41 @@ def test_lean_backward_against_the_oracle(heads, flat):
     for name, g, d, w in zip(("out", "dq", "dk", "dv"), got[True], got[False], want):
         assert relative_error(g, w) < TOLERANCE["float32"], name
         assert relative_error(g, d) < 1e-6, name
+
+
+def test_launch_grid_folds_past_cuda_limits(monkeypatch):
+    """Grids are (tiles, batch, KV heads): a batch past CUDA's 65535 along y still
+    launches, Pallas' Triton lowering folding y into x (lowered for CUDA, no GPU needed;
+    shapes only, nothing allocated)."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import lowering, pallas_call_registration
+
+    from qsa_jax import pallas_qsa as pq
+
+    grids = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        grids.append(tuple(result.grid))
+        return result
+
+    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    bsz, s, hq, hkv, d = 70_000, 16, 2, 1, 16
+    bs = pq.BlockSizes(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
+    geo = pq._Geometry.make(hq // hkv, d, bs.block_m, bs.block_k)
+    n_tiles = -(-s // geo.rows)
+    shape = jax.ShapeDtypeStruct
+    q, kv = shape((bsz, s, hq, d), jnp.bfloat16), shape((bsz, s, hkv, d), jnp.bfloat16)
+    union = shape((bsz, n_tiles, 32), jnp.int32)
+    count = shape((bsz, n_tiles, 1), jnp.int32)
+
+    def forward(q, k, v, union, bits, count):
+        return pq._forward_call(q, k, v, union, bits, count, geo, 0.25, bs, False)
+
+    jax.jit(forward).trace(q, kv, kv, union, union, count).lower(lowering_platforms=("cuda",))
+    assert grids and all(max(g[1:], default=1) <= 65535 for g in grids), grids
+    assert math.prod(grids[-1]) == n_tiles * bsz * hkv

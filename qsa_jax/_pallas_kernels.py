@@ -1,0 +1,121 @@
+"""The Pallas kernels (Triton lowering) of the token-gather QSA: forward and fused backward.
+
+A program owns one tile's ``block_m`` (query row, head) pairs of one KV head and walks
+its sorted route union in chunks of ``block_k`` IDs (docs/design-token-gather.md):
+
+* forward: online softmax in fp32, output and natural-log LSE;
+* backward (one fused pass): dQ kept on chip, dK/dV accumulated per union chunk into
+  fp32 buffers with relaxed atomic adds (IDs in a chunk are distinct).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._pallas_atomics import relaxed_addupdate
+from ._pallas_tiles import Geometry
+
+__all__ = ["backward_kernel", "forward_kernel"]
+
+
+def _dot(a, b, *, trans_b=False, trans_a=False):
+    """fp32-accumulating dot; exact fp32 (no tf32) for fp32 operands."""
+    allow_tf32 = False if a.dtype == jnp.float32 else None
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
+
+
+def _rows_of(geo: Geometry) -> jax.Array:
+    """For each of the program's M rows, its query row's bit in ``rowbits``."""
+    m = jnp.arange(geo.block_m, dtype=jnp.int32)
+    if not geo.flat:
+        return m // geo.group_pad
+    first_pair = pl.program_id(0) * geo.block_m
+    return (first_pair + m) // geo.group - first_pair // geo.group
+
+
+def _chunk(union_ref, bits_ref, c, geo: Geometry, rows_of: jax.Array):
+    """Union chunk ``c``: IDs clamped for addressing, which are real, and the [M, BK] membership."""
+    span = pl.ds(c * geo.block_k, geo.block_k)
+    ids = union_ref[span]
+    bits = bits_ref[span]
+    member = (jnp.right_shift(bits[None, :], rows_of[:, None]) & 1) == 1
+    return jnp.maximum(ids, 0), ids >= 0, member
+
+
+def _gather(ref, ids, real, head_dim_pad):
+    """Rows ``ids`` of ``ref``; padding IDs (which address row 0) give zero rows,
+    so a non-finite row 0 cannot reach other rows through 0 * NaN."""
+    rows = ref[ids[:, None], jnp.arange(head_dim_pad)[None, :]]
+    return jnp.where(real[:, None], rows, jnp.zeros_like(rows))
+
+
+def forward_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, o_ref, lse_ref, *,
+                    scale: float, geo: Geometry):
+    m_rows = geo.block_m
+    rows_of = _rows_of(geo)
+    q = q_ref[...]
+    n_chunks = pl.cdiv(count_ref[0], geo.block_k)
+
+    def body(c, carry):
+        acc, m_prev, l_prev = carry
+        ids, real, member = _chunk(union_ref, bits_ref, c, geo, rows_of)
+        k = _gather(k_ref, ids, real, geo.head_dim_pad)
+        v = _gather(v_ref, ids, real, geo.head_dim_pad)
+        s = jnp.where(member, _dot(q, k, trans_b=True) * scale, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing yet
+        alpha = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
+        l_next = alpha * l_prev + jnp.sum(p, axis=1)
+        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+        return acc, m_next, l_next
+
+    init = (
+        jnp.zeros((m_rows, geo.head_dim_pad), jnp.float32),
+        jnp.full((m_rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((m_rows,), jnp.float32),
+    )
+    acc, m_i, l_i = jax.lax.fori_loop(0, n_chunks, body, init)
+    has = l_i > 0
+    o_ref[...] = jnp.where(has[:, None], acc / jnp.where(has, l_i, 1.0)[:, None], 0.0).astype(
+        o_ref.dtype
+    )
+    lse_ref[...] = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)), jnp.inf)
+
+
+def backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, union_ref, bits_ref,
+                     count_ref, dk_in_ref, dv_in_ref, dq_ref, dk_ref, dv_ref, *,
+                     scale: float, geo: Geometry, lean: bool = False):
+    del dk_in_ref, dv_in_ref  # aliased with dk_ref / dv_ref
+    m_rows = geo.block_m
+    rows_of = _rows_of(geo)
+    cols = jnp.arange(geo.head_dim_pad)[None, :]
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    n_chunks = pl.cdiv(count_ref[0], geo.block_k)
+
+    def body(c, dq):
+        ids, real, member = _chunk(union_ref, bits_ref, c, geo, rows_of)
+        k = _gather(k_ref, ids, real, geo.head_dim_pad)
+        v = _gather(v_ref, ids, real, geo.head_dim_pad)
+        s = _dot(q, k, trans_b=True) * scale
+        p = jnp.where(member, jnp.exp(s - lse[:, None]), 0.0)
+        dp = _dot(do, v, trans_b=True)
+        ds = p * (dp - delta[:, None])
+        dq = dq + _dot(ds.astype(k.dtype), k)
+        # padding IDs point at row 0 with all-zero contributions
+        if lean:  # dV^T = dO^T P, dK^T = Q^T dS: the same products, added transposed
+            relaxed_addupdate(dv_ref, (ids[None, :], cols.T), _dot(do, p.astype(do.dtype), trans_a=True))
+            relaxed_addupdate(dk_ref, (ids[None, :], cols.T), scale * _dot(q, ds.astype(q.dtype), trans_a=True))
+        else:
+            relaxed_addupdate(dv_ref, (ids[:, None], cols), _dot(p.astype(do.dtype), do, trans_a=True))
+            relaxed_addupdate(dk_ref, (ids[:, None], cols), scale * _dot(ds.astype(q.dtype), q, trans_a=True))
+        return dq
+
+    dq = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((m_rows, geo.head_dim_pad), jnp.float32))
+    dq_ref[...] = (scale * dq).astype(dq_ref.dtype)
