@@ -1,4 +1,11 @@
-"""Shared pytest setup: GPU tests skip cleanly where no CUDA device is present."""
+"""Shared pytest setup: GPU tests skip cleanly where no CUDA device is present;
+hypothesis profiles for the property tests.
+
+Hypothesis profiles: ``ci`` (the default) runs a few derandomized examples per
+test (the same ones every run, no example database), so CPU CI stays fast and
+reproducible; ``gpu`` (``pytest --hypothesis-profile=gpu``) draws fresh random
+examples, more of them and larger (tests/test_property.py reads the profile).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,14 @@ import os
 import sys
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+settings.register_profile("ci", max_examples=6, derandomize=True, database=None, deadline=None,
+                          suppress_health_check=_SLOW_OK, print_blob=True)
+settings.register_profile("gpu", max_examples=30, deadline=None, suppress_health_check=_SLOW_OK,
+                          print_blob=True)
+settings.load_profile("ci")  # `--hypothesis-profile` (applied after this) overrides it
 
 # Several host devices for device-mismatch and context-parallel tests on CPU;
 # must be set before jax is first imported.
