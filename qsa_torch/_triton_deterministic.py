@@ -25,13 +25,13 @@ interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from qsa_triton.launch import fp32
 
+from . import _triton_launch
 from .routes import validate_inputs, validate_routes
 
 __all__ = [
@@ -121,16 +121,13 @@ class InverseRouteIndex:
         return -(-self.kv_length // self.block_n)
 
 
-@functools.cache
 def _load_kernels():
-    """The kernel module (imports triton) and whether the interpreter runs it."""
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - exercised where triton is absent
-        raise ImportError("the deterministic Triton backward needs the 'triton' package (pip install triton)") from exc
+    """The kernel module (imports triton: ImportError without it) and whether Triton's
+    interpreter runs it."""
+    interpreted = _triton_launch.interpreted()
     from qsa_triton import kv_backward
 
-    return kv_backward, type(kv_backward.kv_backward_kernel).__name__ == "InterpretedFunction"
+    return kv_backward, interpreted
 
 
 def _check_device(device: torch.device, interpreted: bool, what: str) -> None:
@@ -180,7 +177,7 @@ def build_inverse_index(routes: torch.Tensor, kv_length: int, block_n: int = 32)
     n_entries = bsz * s_q * k
     key_space = bsz * (n_blocks + 1) * s_q
     key_dtype = torch.int32 if key_space <= _MAX_INT32_KEY else torch.int64
-    keys = _new_buffer(n_entries, key_dtype, device)
+    keys = _triton_launch.new_buffer(n_entries, key_dtype, device)
     grid = (-(-n_entries // _INDEX_BLOCK),)
     route_strides = dict(zip(("sr_b", "sr_s", "sr_k"), routes.stride()))
     with _on_device(device):
@@ -193,7 +190,7 @@ def build_inverse_index(routes: torch.Tensor, kv_length: int, block_n: int = 32)
     first[1:] &= keys[1:] != keys[:-1]
     slots = torch.cumsum(first, 0, dtype=torch.int32 if n_entries <= 2**31 - 1 else torch.int64)
     capacity = bsz * s_q * min(k, n_blocks)
-    rows = _new_buffer(capacity, torch.int32, device)
+    rows = _triton_launch.new_buffer(capacity, torch.int32, device)
     bits = torch.zeros(capacity, dtype=torch.int64, device=device)
     with _on_device(device):
         kernels.inverse_from_sorted_kernel[grid](
@@ -206,12 +203,6 @@ def build_inverse_index(routes: torch.Tensor, kv_length: int, block_n: int = 32)
     start = torch.cat([slots.new_zeros(1), slots])[before].to(torch.int64)
     order = torch.argsort(start[:-1] - start[1:], stable=True).to(torch.int32)
     return InverseRouteIndex(rows, bits, start, order, block_n, kv_length)
-
-
-def _new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Uninitialised memory that a kernel overwrites wherever it is read later (tests
-    poison it)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _sort(keys: torch.Tensor, per_row: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,8 +319,8 @@ def deterministic_dk_dv(
     if bsz * index.n_blocks * hkv > _MAX_GRID:
         raise ValueError(f"B * key blocks * Hkv = {bsz * index.n_blocks * hkv} programs exceed CUDA's "
                          f"grid limit {_MAX_GRID}: split the batch")
-    dk = _new_buffer(key.shape, key.dtype, key.device)
-    dv = _new_buffer(value.shape, value.dtype, value.device)
+    dk = _triton_launch.new_buffer(key.shape, key.dtype, key.device)
+    dv = _triton_launch.new_buffer(value.shape, value.dtype, value.device)
     args = dict(Q=query, K=key, V=value, DO=grad_out, LSE=lse, DELTA=delta, ROWS=index.rows, BITS=index.bits,
                 START=index.start, ORDER=index.order, scale=fp32(checked.scale),
                 scale_log2=fp32(checked.scale * kernels.LOG2E), DK=dk, DV=dv,

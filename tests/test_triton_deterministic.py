@@ -24,6 +24,7 @@ from qsa_common.generators import adversarial_routes, qsa_format_routes, random_
 from qsa_common.layouts import make_problem  # noqa: E402
 from qsa_common.oracle import membership, oracle_forward_backward, relative_error  # noqa: E402
 from qsa_torch import _triton_deterministic as det  # noqa: E402
+from qsa_torch import _triton_launch  # noqa: E402
 from qsa_torch._triton_deterministic import (  # noqa: E402
     KVBlockSizes,
     attention_delta,
@@ -182,15 +183,15 @@ def _check(routes, kv_length, heads, head_dim, dtype, blocks, rng, scale=None):
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """Every buffer the module allocates starts as NaN / garbage: unwritten outputs and
-    index slots read by mistake fail the comparison."""
+    """Every uninitialised buffer starts as NaN / garbage: unwritten outputs and index
+    slots read by mistake fail the comparison."""
     def buffer(shape, dtype, device):
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if dtype.is_floating_point:
             return torch.full(shape, float("nan"), dtype=dtype, device=device)
         return torch.full(shape, -77777, dtype=dtype, device=device)
 
-    monkeypatch.setattr(det, "_new_buffer", buffer)
+    monkeypatch.setattr(_triton_launch, "new_buffer", buffer)
 
 
 @pytest.mark.parametrize("layout,family,heads,head_dim,dtype,blocks", [
@@ -309,6 +310,39 @@ def test_after_the_triton_forward():
                                  block_sizes=SMALL)
     for g, w in zip((dk, dv), (dk_want, dv_want)):
         assert relative_error(g.cpu().numpy(), w) < TOLERANCE["float32"]
+
+
+def test_launch_falls_back_where_shared_memory_is_short(monkeypatch):
+    """A tiling the device cannot load (Triton's OutOfResources) is retried with one
+    stage, then narrower row chunks; what loaded is remembered; other errors propagate."""
+    class OutOfResources(Exception):
+        pass
+
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                calls.append((kwargs["BLOCK_M"], kwargs["num_stages"]))
+                if kwargs["BLOCK_M"] > 32:
+                    raise OutOfResources("shared memory")
+            return launch
+
+    monkeypatch.setattr(det, "_FITTING", {})
+    blocks = KVBlockSizes(block_n=32, block_m=128, num_stages=2)
+    det._launch(Kernel(), (1,), {}, dict(D_PAD=256), blocks, torch.device("cpu"))
+    assert calls == [(128, 2), (128, 1), (64, 1), (32, 1)]
+    det._launch(Kernel(), (1,), {}, dict(D_PAD=256), blocks, torch.device("cpu"))
+    assert calls[4:] == [(32, 1)]
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                raise RuntimeError("not a resource problem")
+            return launch
+
+    with pytest.raises(RuntimeError, match="not a resource"):
+        det._launch(Broken(), (1,), {}, dict(D_PAD=128), blocks, torch.device("cpu"))
 
 
 def test_rejects_bad_inputs():
