@@ -1,7 +1,8 @@
 """The deterministic KV-owning dK/dV backward on one H200 (issue 18), against the default one.
 
-    python3 scripts/gpu/probe_deterministic.py --out $OUT      # < 2 minutes
-    python3 scripts/gpu/probe_deterministic.py --out DIR --smoke   # CPU, Triton's interpreter
+    python3 scripts/gpu/probe_deterministic.py --out $OUT               # < 2 minutes
+    python3 scripts/gpu/probe_deterministic.py --out $OUT --sanitizer   # memcheck, ~1-2 minutes
+    python3 scripts/gpu/probe_deterministic.py --out DIR --smoke        # CPU, Triton's interpreter
 
 B=1, (Hq, Hkv) = (24, 2), D=256, bf16, QSA-format routes (qsa_common generators, top_k 512,
 int32) at S=32768 (``--seq-len``). Measures (medians of ``triton.testing.do_bench``):
@@ -19,6 +20,11 @@ int32) at S=32768 (``--seq-len``). Measures (medians of ``triton.testing.do_benc
 Writes probe_deterministic.json (after every step) and probe_deterministic.md under
 --out and prints the best configuration last. Configurations are skipped once the time
 budget is spent; each step's failure is recorded and the others still run.
+
+``--sanitizer`` instead runs compute-sanitizer memcheck over tiny problems (S <= 96, D =
+256, bf16, (12,1), (24,2), (6,1), three tilings, QSA / adversarial int64 / random routes)
+in a subprocess (``--sanitizer-probe``), whose dk/dv must match the float64 oracle and
+repeat bitwise; writes sanitizer.log and probe_deterministic_sanitizer.json.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 import traceback
@@ -82,18 +90,99 @@ def relative(actual, expected) -> float:
     return float((a - e).norm() / e.norm().clamp_min(1e-300))
 
 
+def sanitizer_probe() -> int:
+    """Tiny runs of the index and dK/dV kernels against the float64 oracle (the forward's
+    LSE from the Triton forward), each twice for bitwise equality."""
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from contract_base import random_inputs
+
+    from qsa_common.layouts import make_problem
+    from qsa_common.oracle import oracle_forward_backward, relative_error
+    from qsa_torch import _triton_deterministic as det
+    from qsa_torch import triton_qsa
+
+    d = 256 if DEVICE == "cuda" else 32
+    cases = [
+        (make_problem("packed", "qsa", seed=1, seq_len=96, top_k=6), (12, 1), np.int32, det.DEFAULT_KV_BLOCK_SIZES),
+        (make_problem("padded", "adversarial", seed=2, seq_len=80, width=10), (24, 2), np.int64,
+         det.KVBlockSizes(block_n=64, block_m=64, num_warps=8)),
+        (make_problem("cp", "random", seed=3, seq_len=96, width=12), (6, 1), np.int64,
+         det.KVBlockSizes(block_n=16, block_m=128, num_warps=8)),
+    ]
+    rng = np.random.default_rng(0)
+    ok = True
+    for problem, heads, route_dtype, blocks in cases:
+        routes_np = problem.routes if route_dtype == np.int64 else np.where(
+            np.abs(problem.routes) < 2**31, problem.routes, -1).astype(np.int32)
+        q, k, v, do = random_inputs(rng, routes_np, problem.kv_length, heads, d, "bfloat16")
+        t = lambda x: torch.tensor(x, dtype=torch.bfloat16, device=DEVICE)  # noqa: E731
+        routes = torch.from_numpy(routes_np).to(DEVICE)
+        out, lse, *_ = triton_qsa.forward_with_residuals(t(q), t(k), t(v), routes, d ** -0.5)
+        delta = det.attention_delta(out, t(do))
+        runs = [det.deterministic_dk_dv(t(q), t(k), t(v), t(do), lse, delta, routes, d ** -0.5, block_sizes=blocks)
+                for _ in range(2)]
+        _, _, dk, dv = oracle_forward_backward(q, k, v, routes_np, d ** -0.5, do)
+        errs = [relative_error(g.double().cpu().numpy(), w) for g, w in zip(runs[0], (dk, dv))]
+        same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(*runs))
+        print("probe", problem.layout, heads, blocks, ["%.2e" % e for e in errs], "bitwise", same, flush=True)
+        ok = ok and same and max(errs) < 1e-2
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    print("PROBE_OK" if ok else "PROBE_FAIL", flush=True)
+    return 0 if ok else 2
+
+
+def run_sanitizer(timeout: float) -> int:
+    """compute-sanitizer memcheck over :func:`sanitizer_probe` in a subprocess."""
+    tool = shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
+    result: dict = {"ran": False, "reason": "compute-sanitizer not found"}
+    if tool is not None:
+        cmd = [tool, "--tool", "memcheck", "--print-limit", "30", "--error-exitcode", "3",
+               sys.executable, os.path.abspath(__file__), "--out", OUT, "--sanitizer-probe"]
+        # without the caching allocator every tensor is its own allocation, so memcheck sees
+        # an access past a tensor's end even where the cache would have memory behind it
+        env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+        env.pop("TRITON_INTERPRET", None)
+        with open(os.path.join(OUT, "sanitizer.log"), "w") as sink:
+            try:
+                rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                    timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        text = open(os.path.join(OUT, "sanitizer.log"), errors="replace").read()
+        summary = [line for line in text.splitlines() if "ERROR SUMMARY" in line]
+        result = {"ran": True, "returncode": rc, "error_summary": summary[-1] if summary else None,
+                  "probe_ok": "PROBE_OK" in text, "command": " ".join(cmd), "tail": text[-3000:]}
+    with open(os.path.join(OUT, "probe_deterministic_sanitizer.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    log(f"sanitizer: {result.get('error_summary') or result.get('reason')} rc={result.get('returncode')} "
+        f"probe_ok={result.get('probe_ok')}")
+    return 0 if result.get("probe_ok") and result.get("returncode") == 0 else 1
+
+
 def main() -> int:
     global OUT, DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run in Triton's interpreter")
+    parser.add_argument("--sanitizer", action="store_true", help="compute-sanitizer memcheck of tiny runs only")
+    parser.add_argument("--sanitizer-timeout", type=float, default=240.0)
+    parser.add_argument("--sanitizer-probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     OUT = args.out
     os.makedirs(OUT, exist_ok=True)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
         DEVICE = "cpu"
+    if args.sanitizer_probe:
+        return sanitizer_probe()
+    if args.sanitizer:
+        return run_sanitizer(args.sanitizer_timeout)
 
     import numpy as np
     import torch
