@@ -34,9 +34,7 @@ import tempfile
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from gpu_common import relative_error  # noqa: E402  (puts the repository root on sys.path)
 
 import numpy as np  # noqa: E402
 
@@ -67,15 +65,6 @@ def make_inputs(seq: int, top_k: int, seed: int):
 
 
 # ------------------------------------------------------------------------ torch
-def _torch_rel(a, b):
-    import torch
-
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return float("inf")
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
-
-
 def _torch_worker(rank, world, init_file, result_file, seq, top_k, seed, cpu):
     import torch
     import torch.distributed as dist
@@ -138,10 +127,10 @@ def _torch_worker(rank, world, init_file, result_file, seq, top_k, seed, cpu):
                 singles[dt] = fwd_bwd(reference_sparse_gqa_attention, dtypes[dt], q, k, v, do, routes)
                 run["errors"] = {}
                 for i, name in enumerate(NAMES):
-                    e = {"cp_vs_single": _torch_rel(pieces[i], singles[dt][i])}
+                    e = {"cp_vs_single": relative_error(pieces[i], singles[dt][i])}
                     if dt == "bfloat16":
-                        e["cp_vs_fp32"] = _torch_rel(pieces[i], singles["float32"][i])
-                        e["single_vs_fp32"] = _torch_rel(singles[dt][i], singles["float32"][i])
+                        e["cp_vs_fp32"] = relative_error(pieces[i], singles["float32"][i])
+                        e["single_vs_fp32"] = relative_error(singles[dt][i], singles["float32"][i])
                     run["errors"][name] = e
                 record["runs"][dt] = run
             del got, pieces
@@ -230,13 +219,6 @@ def jax_worker(args, result_file):
     record["cp_out_devices"] = len(first[0].sharding.device_set)
     single_fn = single_with(impl)
 
-    def rel(a, b):
-        a = jax.device_put(a, dev0).astype(jnp.float32)
-        if not bool(jnp.all(jnp.isfinite(a))):
-            return float("inf")
-        b = b.astype(jnp.float32)
-        return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
     # an independent fp32 reference: the XLA gather reference on one device
     ref32 = jax.block_until_ready(single_with("xla")(*put(dev0, jnp.float32)))
     for dt, dtype in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
@@ -254,10 +236,10 @@ def jax_worker(args, result_file):
             single = jax.block_until_ready(single_fn(*put(dev0, dtype)))
             run["errors"] = {}
             for i, name in enumerate(NAMES):
-                e = {"cp_vs_single": rel(got[i], single[i])}
+                e = {"cp_vs_single": relative_error(got[i], single[i])}
                 if dt == "bfloat16":
-                    e["cp_vs_fp32"] = rel(got[i], ref32[i])
-                    e["single_vs_fp32"] = rel(single[i], ref32[i])
+                    e["cp_vs_fp32"] = relative_error(got[i], ref32[i])
+                    e["single_vs_fp32"] = relative_error(single[i], ref32[i])
                 run["errors"][name] = e
             del got, single
         except Exception as err:

@@ -25,7 +25,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -33,8 +32,9 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from gpu_common import cuda_ms, relative_error  # noqa: E402  (puts the repository root on sys.path)
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
@@ -59,13 +59,11 @@ BENCH_PROBLEMS = {
     8192: dict(layout="padded", route_family="qsa", seed=21, seq_len=8192, top_k=512, batch=1),
     32768: dict(layout="padded", route_family="qsa", seed=22, seq_len=32768, top_k=512, batch=1),
 }
-# (block_m, block_k, num_warps, num_stages) of the forward. Compiled offline for sm_90a
-# (ptxas -v): all use 255 registers; spills 168 B (default), 32 B (128,32,8,*), 0 B (128,16,8,2).
+# (block_m, block_k, num_warps, num_stages) of the forward
 FWD_CONFIGS = [(128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (128, 16, 8, 2), (64, 64, 4, 2),
                (64, 32, 4, 3)]
-# (forward block_m = tile height, backward_block_m, backward_block_k, warps, stages). Offline:
-# spills 400 B (default), 288 B (64,16,8,1), 48 B (32,16,4,1); (128,32,8,1) needs 288 KB of
-# shared memory (more than the H200 has) and is left out.
+# (forward block_m = tile height, backward_block_m, backward_block_k, warps, stages);
+# (128,32,8,1) needs more shared memory than an H200 block may take
 BWD_CONFIGS = [(128, 64, 32, 8, 1), (128, 64, 16, 8, 1), (128, 64, 64, 8, 1), (128, 32, 16, 4, 1),
                (128, 32, 32, 4, 1), (128, 64, 32, 8, 2), (64, 64, 32, 8, 1), (64, 32, 16, 4, 1)]
 
@@ -92,17 +90,6 @@ def _record(results: dict, key: str, fn, *args, **kwargs):
 
 
 # ---------------------------------------------------------------- correctness
-def _relative(actual, expected) -> float:
-    import torch
-
-    a, e = actual.double(), expected.double()
-    if not torch.isfinite(a).all():
-        return float("inf")
-    ref = torch.linalg.vector_norm(e).item()
-    diff = torch.linalg.vector_norm(a - e).item()
-    return diff / ref if ref > 0 else diff
-
-
 def check_correctness(routes_np, kv_length, heads, route_dtype):
     import torch
 
@@ -133,7 +120,7 @@ def check_correctness(routes_np, kv_length, heads, route_dtype):
     ref_out = reference_sparse_gqa_attention(*ref_leaves, routes, scale)
     ref_out.backward(do.float())
     want = [ref_out.detach()] + [t.grad for t in ref_leaves]
-    errors = {name: _relative(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    errors = {name: relative_error(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
 
     valid = (routes >= 0) & (routes < kv_length)
     empty = ~valid.any(-1)
@@ -168,23 +155,13 @@ def check_no_host_sync(routes_np, kv_length):
 
 # -------------------------------------------------------------------- timing
 def _time_ms(fn, reps: int, warmup: int = 2) -> float:
-    import torch
-
-    for _ in range(warmup):
+    if DEVICE == "cuda":
+        return cuda_ms(fn, reps, warmup)
+    for _ in range(warmup):  # the CPU smoke run: one wall-clock call
         fn()
-    if DEVICE != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return 1e3 * (time.perf_counter() - t0)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    t0 = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t0)
 
 
 class Bench:
@@ -215,15 +192,16 @@ class Bench:
         import torch
 
         from qsa_torch import triton_qsa as tq
+        from qsa_triton import make_plan
 
-        plan = tq._make_plan(12, self.head_dim, blocks)
+        plan = make_plan(12, self.head_dim, blocks)
+        top_k = self.routes.shape[2]
 
         def preprocess():  # what triton_sparse_gqa_attention does before its kernels
-            return tq._unions_for(self.routes, self.kv_length, plan)
+            return tq.route_unions(self.q, self.k, self.routes, block_sizes=blocks)
 
         unions = preprocess()
-        top_k = self.routes.shape[2]
-        out, lse = tq._forward(self.q, self.k, self.v, unions, self.scale, plan, top_k)
+        out, lse = tq.forward_from_unions(self.q, self.k, self.v, *unions, self.scale, top_k, block_sizes=blocks)
         leaves = [t.detach().clone().requires_grad_(True) for t in (self.q, self.k, self.v)]
 
         def fwd():
@@ -237,10 +215,11 @@ class Bench:
         row = {
             "preprocess_ms": _time_ms(preprocess, self.reps),
             "forward_kernel_ms": _time_ms(
-                lambda: tq._forward(self.q, self.k, self.v, unions, self.scale, plan, top_k), self.reps),
+                lambda: tq.forward_from_unions(self.q, self.k, self.v, *unions, self.scale, top_k,
+                                               block_sizes=blocks), self.reps),
             "backward_kernel_ms": _time_ms(
-                lambda: tq._backward(self.q, self.k, self.v, out, lse, self.do, unions, self.scale, plan,
-                                     self.routes.shape[2]),
+                lambda: tq.backward_from_residuals(self.do, self.q, self.k, self.v, out, lse, *unions, self.scale,
+                                                   top_k, block_sizes=blocks),
                 self.reps),
         }
         with torch.no_grad():
@@ -249,7 +228,7 @@ class Bench:
         flops = 4.0 * self.sum_routes * 24 * self.head_dim
         row["fwd_tflops_useful"] = flops / (row["forward_kernel_ms"] * 1e9)
         row["bwd_tflops_useful"] = 2.5 * flops / (row["backward_kernel_ms"] * 1e9)
-        count = unions.count.double()
+        count = unions[1].double()
         row["rows_per_tile"] = plan.rows_per_tile
         row["mean_union_per_tile"] = float(count.mean())
         # matrix work done (union x matrix rows of a program) over useful work (routes x heads)
@@ -306,8 +285,7 @@ def sanitizer_probe() -> int:
     from contract_base import random_inputs
     from runners import run_torch
 
-    from qsa_common.oracle import oracle_forward_backward, relative_error
-    from qsa_torch import triton_qsa
+    from qsa_common.oracle import oracle_forward_backward
     from qsa_torch.triton_qsa import DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, triton_sparse_gqa_attention
 
     rng = np.random.default_rng(0)
@@ -321,19 +299,19 @@ def sanitizer_probe() -> int:
         (make_problem("padded", "qsa", seed=4, seq_len=80, top_k=5), (6, 1), 256, "bfloat16",
          DEFAULT_BLOCK_SIZES, 1e-2),
     ]
-    # the lean backward (KERNEL_OPTIONS["lean_backward"]) at 64- and 32-ID chunks
-    lean_k32 = dataclasses.replace(DEFAULT_BLOCK_SIZES, backward_block_k=32)
+    # the lean backward at 64- and 32-ID chunks
+    lean = dataclasses.replace(DEFAULT_BLOCK_SIZES, lean_backward=True)
     cases += [(make_problem("packed", "adversarial", seed=5, seq_len=70, width=9), (12, 1), 256, "bfloat16",
-               blocks, 1e-2, "lean") for blocks in (DEFAULT_BLOCK_SIZES, lean_k32)]
+               blocks, 1e-2) for blocks in (lean, dataclasses.replace(lean, backward_block_k=32))]
     worst = 0.0
-    for problem, heads, d, dtype, blocks, tol, *lean in cases:
+    for problem, heads, d, dtype, blocks, tol in cases:
         q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, heads, d, dtype)
         fn = lambda *a, b=blocks: triton_sparse_gqa_attention(*a, block_sizes=b)  # noqa: E731
-        triton_qsa.KERNEL_OPTIONS["lean_backward"] = bool(lean)
         got = run_torch(fn, q, k, v, problem.routes, d ** -0.5, do, dtype, device=DEVICE)
         want = oracle_forward_backward(q, k, v, problem.routes, d ** -0.5, do)
         errs = [relative_error(g, w) for g, w in zip(got, want)]
-        print("probe", problem.layout, heads, dtype, *lean, ["%.2e" % e for e in errs], flush=True)
+        print("probe", problem.layout, heads, dtype, "lean" if blocks is not None and blocks.lean_backward else "",
+              ["%.2e" % e for e in errs], flush=True)
         worst = max(worst, max(e / tol for e in errs))
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -407,7 +385,6 @@ def _markdown(report) -> str:
     s = report["sanitizer"]
     lines += ["", "## compute-sanitizer memcheck", "", f"{s.get('error_summary') or s.get('reason')}; "
               f"rc={s.get('returncode')}; probe numerics ok={s.get('probe_ok')}", "",
-              f"launch fallbacks used: {report.get('launch_fallbacks')}", "",
               f"no host sync: {_summary(report.get('no_host_sync'))}", "",
               f"total {report['seconds']:.0f} s"]
     return "\n".join(lines) + "\n"
@@ -514,12 +491,6 @@ def main() -> int:
     finally:
         save()
     pool.shutdown(cancel_futures=True)
-
-    from qsa_torch import triton_qsa
-
-    # key: (kernel, constexprs, heads, block_k, warps, stages, device) -> (heads, block_k, stages)
-    report["launch_fallbacks"] = {str(k): v for k, v in triton_qsa._LAUNCH_FALLBACKS.items()
-                                  if (k[2], k[3], k[5]) != tuple(v)}
     report["seconds"] = _elapsed()
     (args.out / "check_triton.json").write_text(json.dumps(report, indent=1, default=str))
     md = _markdown(report)
@@ -547,7 +518,6 @@ def main() -> int:
     print(f"sanitizer: {s.get('error_summary') or s.get('reason')} rc={s.get('returncode')} "
           f"probe_ok={s.get('probe_ok')}")
     print(f"no host sync: {_summary(report.get('no_host_sync'))}")
-    print(f"fallbacks: {report['launch_fallbacks']}")
     print(f"total {report['seconds']:.0f} s; details in {args.out}/check_triton.md")
     return 0
 

@@ -1,71 +1,46 @@
-"""GPU check and timing of the JAX Pallas kernels (run on the H200 host).
+"""GPU check and timing of the JAX kernels (run on the H200 host).
 
     python3 scripts/gpu/jax_kernel.py --out $OUT [--check] [--time] [--sizes 8192,32768]
+        [--implementations pallas,triton]
 
 --check: bf16 out/dq/dk/dv vs the XLA reference on padded, packed and CP layouts,
 (24,2) and (12,1), D=256, QSA routes (top_k 512) and adversarial routes.
---time: forward and forward+backward medians of the Pallas kernels (several block
-configurations) and of dense causal cuDNN attention in the same run, on QSA-format
-routes, B=1, (24,2), D=256; plus the time of the union preprocessing alone.
-Writes jax_kernel.json and jax_kernel.md under --out.
+--time: forward and forward+backward medians of each implementation (Pallas under
+several block configurations; ``triton``, the qsa_triton kernels through jax-triton,
+needs ``source /tmp/qsa-site/env.sh``) and of dense causal cuDNN attention in the same
+run, on QSA-format routes, B=1, (24,2), D=256.
+Writes jax_kernel.json under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import sys
 import time
 import traceback
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, ROOT)
+from gpu_common import jax_ms, log, relative_error  # noqa: E402  (puts the repository root on sys.path)
 
 import numpy as np  # noqa: E402
 
 
-def log(*args):
-    print(*args, flush=True)
+def check(results, seq_len, heads_list=((24, 2), (12, 1)), dtype="bfloat16", implementation="pallas"):
+    import functools
 
-
-def timed(fn, *args, warmup=2, iters=10):
-    import jax
-
-    for _ in range(warmup):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-    if time.perf_counter() - t > 0.2:  # long runs: a few repetitions suffice
-        iters = min(iters, 3)
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times) * 1e3)
-
-
-def rel(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    if not np.all(np.isfinite(a)):
-        return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def check(results, seq_len, heads_list=((24, 2), (12, 1)), dtype="bfloat16"):
     import jax
     import jax.numpy as jnp
 
     from qsa_common.layouts import make_problem
-    from qsa_jax.pallas_qsa import pallas_sparse_gqa_attention
+    from qsa_jax import sparse_gqa_attention
     from qsa_jax.routes import prepare_routes
     from qsa_jax.xla_reference import reference_sparse_gqa_attention
 
     rng = np.random.default_rng(0)
     for heads in heads_list:
         for layout, fam in (("padded", "qsa"), ("packed", "qsa"), ("cp", "qsa"), ("packed", "adversarial")):
-            name = f"{layout}/{fam}/{heads}/{dtype}"
+            name = f"{implementation}/{layout}/{fam}/{heads}/{dtype}"
             try:
                 kw = dict(top_k=512) if fam == "qsa" else dict(width=256)
                 prob = make_problem(layout, fam, seed=int(rng.integers(1 << 30)), seq_len=seq_len,
@@ -81,7 +56,8 @@ def check(results, seq_len, heads_list=((24, 2), (12, 1)), dtype="bfloat16"):
                 routes = jnp.asarray(prepare_routes(prob.routes))
                 outs = {}
                 # the reference runs in fp32 on the same bf16-rounded inputs
-                for impl, fn, dt in (("pallas", pallas_sparse_gqa_attention, jnp.dtype(dtype)),
+                kernel = functools.partial(sparse_gqa_attention, implementation=implementation)
+                for impl, fn, dt in (("kernel", kernel, jnp.dtype(dtype)),
                                      ("xla", reference_sparse_gqa_attention, jnp.float32)):
                     # routes are a jit argument: as a closed-over constant XLA would
                     # constant-fold the route sorts for minutes
@@ -89,9 +65,9 @@ def check(results, seq_len, heads_list=((24, 2), (12, 1)), dtype="bfloat16"):
                         *jax.vjp(lambda a, b_, c: fn(a, b_, c, r, 1 / 16), q, k, v)))
                     args = [x.astype(dt) for x in (q, k, v, do)]
                     outs[impl] = [np.asarray(x.astype(jnp.float32)) for x in f(*args, routes)]
-                errs = {n: rel(a, b_) for n, a, b_ in zip(("out", "dq", "dk", "dv"), outs["pallas"], outs["xla"])}
+                errs = {n: relative_error(a, b_) for n, a, b_ in zip(("out", "dq", "dk", "dv"), outs["kernel"], outs["xla"])}
                 empty = ~np.any((prob.routes >= 0) & (prob.routes < prob.kv_length), axis=-1)
-                zero_ok = bool(np.all(outs["pallas"][0][empty] == 0) and np.all(outs["pallas"][1][empty] == 0))
+                zero_ok = bool(np.all(outs["kernel"][0][empty] == 0) and np.all(outs["kernel"][1][empty] == 0))
                 ok = all(e < 1e-2 for e in errs.values()) and zero_ok
                 results["check"][name] = dict(errors=errs, empty_rows=int(empty.sum()), empty_exact_zero=zero_ok, ok=ok)
                 log(f"check {name}: {errs} empty={int(empty.sum())} zeros={zero_ok} {'PASS' if ok else 'FAIL'}")
@@ -105,7 +81,8 @@ def timing(results, sizes, configs):
     import jax.numpy as jnp
 
     from qsa_common.generators import qsa_format_routes
-    from qsa_jax.pallas_qsa import BlockSizes, _Geometry, _route_union, pallas_sparse_gqa_attention
+    from qsa_jax import sparse_gqa_attention
+    from qsa_jax.pallas_qsa import BlockSizes
 
     hq, hkv, d = 24, 2, 256
     for s in sizes:
@@ -132,22 +109,20 @@ def timing(results, sizes, configs):
         try:
             dense = lambda a, b_, c: jax.nn.dot_product_attention(a, b_, c, is_causal=True, scale=1 / 16,
                                                                   implementation="cudnn")
-            row["dense_fwd_ms"] = timed(jax.jit(dense), q, k, v)
-            row["dense_fwdbwd_ms"] = timed(fwd_bwd(dense), q, k, v, do)
+            row["dense_fwd_ms"] = jax_ms(jax.jit(dense), q, k, v)
+            row["dense_fwdbwd_ms"] = jax_ms(fwd_bwd(dense), q, k, v, do)
             log(f"S={s} dense cudnn: fwd {row['dense_fwd_ms']:.2f} ms, fwd+bwd {row['dense_fwdbwd_ms']:.2f} ms")
         except Exception as err:
             row["dense_error"] = repr(err)
             log(f"S={s} dense: ERROR {err!r}")
-        for label, cfg in configs:
+        for label, (implementation, cfg) in configs:
             try:
-                bs = BlockSizes(**cfg)
-                geo = _Geometry.make(hq // hkv, d, bs.block_m, bs.block_k, bs.flatten_heads)
-                pre = jax.jit(lambda r, geo=geo: _route_union(r, geo))
-                fn = lambda a, b_, c, r, bs=bs: pallas_sparse_gqa_attention(a, b_, c, r, 1 / 16, block_sizes=bs)
-                entry = dict(config=cfg)
-                entry["union_ms"] = timed(pre, routes)
-                entry["fwd_ms"] = timed(jax.jit(fn), q, k, v, routes)
-                entry["fwdbwd_ms"] = timed(fwd_bwd(fn), q, k, v, do, routes, iters=5)
+                bs = None if cfg is None else dataclasses.replace(BlockSizes.default(d, False), **cfg)
+                fn = lambda a, b_, c, r, bs=bs, impl=implementation: sparse_gqa_attention(  # noqa: E731
+                    a, b_, c, r, 1 / 16, implementation=impl, block_sizes=bs)
+                entry = dict(implementation=implementation, config=cfg)
+                entry["fwd_ms"] = jax_ms(jax.jit(fn), q, k, v, routes)
+                entry["fwdbwd_ms"] = jax_ms(fwd_bwd(fn), q, k, v, do, routes, reps=5)
                 entry["fwd_tflops"] = flops_fwd / entry["fwd_ms"] / 1e9
                 entry["fwdbwd_tflops"] = 3.5 * flops_fwd / entry["fwdbwd_ms"] / 1e9
                 stats = jax.devices()[0].memory_stats() or {}
@@ -156,22 +131,21 @@ def timing(results, sizes, configs):
                     entry["ratio_fwdbwd_to_dense"] = entry["fwdbwd_ms"] / row["dense_fwdbwd_ms"]
                     entry["ratio_fwd_to_dense"] = entry["fwd_ms"] / row["dense_fwd_ms"]
                 row[label] = entry
-                log(f"S={s} pallas {label}: union {entry['union_ms']:.2f} ms, fwd {entry['fwd_ms']:.2f} ms "
+                log(f"S={s} {label}: fwd {entry['fwd_ms']:.2f} ms "
                     f"({entry['fwd_tflops']:.0f} TFLOP/s), fwd+bwd {entry['fwdbwd_ms']:.2f} ms "
                     f"({entry['fwdbwd_tflops']:.0f} TFLOP/s) ratio {entry.get('ratio_fwdbwd_to_dense', float('nan')):.2f}")
             except Exception as err:
                 row[label] = dict(config=cfg, error=repr(err), trace=traceback.format_exc()[-3000:])
-                log(f"S={s} pallas {label}: ERROR {err!r}")
+                log(f"S={s} {label}: ERROR {err!r}")
 
 
+# label -> (implementation, changes to the Pallas defaults, or None: the implementation's defaults)
 CONFIGS = {
-    "default": dict(),
-    "m128k32": dict(block_k=32),
-    "bwd_m128": dict(block_m_bwd=128, block_k_bwd=32),
-    "bwd_m64k64": dict(block_k_bwd=64),
-    "w4": dict(num_warps=4, num_warps_bwd=4),
-    "s3": dict(num_stages=3),
-    "flat": dict(flatten_heads=True),
+    "triton": ("triton", None),
+    "pallas": ("pallas", None),
+    "pallas-lean": ("pallas", dict(lean_backward=True)),
+    "pallas-m64": ("pallas", dict(block_m_bwd=64)),
+    "pallas-padded": ("pallas", dict(flatten_heads=False, block_m_bwd=64)),
 }
 
 
@@ -181,10 +155,11 @@ def main():
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--check-len", type=int, default=8192)
     parser.add_argument("--heads", default="24:2,12:1", help="heads for --check, e.g. 12:1")
-    parser.add_argument("--check-dtype", default="bfloat16", help="input dtype of the Pallas run in --check")
+    parser.add_argument("--check-dtype", default="bfloat16", help="input dtype of the kernels' run in --check")
+    parser.add_argument("--check-implementations", default="pallas", help="comma list of pallas,triton")
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--sizes", default="8192,32768")
-    parser.add_argument("--configs", default="default")
+    parser.add_argument("--configs", default="triton,pallas", help=f"comma list of {','.join(CONFIGS)}")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import jax
@@ -194,7 +169,8 @@ def main():
     try:
         if args.check:
             heads = [tuple(int(x) for x in h.split(":")) for h in args.heads.split(",")]
-            check(results, args.check_len, heads, args.check_dtype)
+            for implementation in args.check_implementations.split(","):
+                check(results, args.check_len, heads, args.check_dtype, implementation)
         if args.time:
             configs = [(c, CONFIGS[c]) for c in args.configs.split(",")]
             timing(results, [int(s) for s in args.sizes.split(",")], configs)

@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""GPU run for issue 8: the ``--gpu`` parity matrix, then the side-by-side benchmark.
+"""GPU run: the ``--gpu`` parity matrix, then the side-by-side benchmark.
 
 On the H200 host, from the repository root, after ``source /tmp/qsa-site/env.sh``::
 
     python3 scripts/gpu/run_parity_and_bench.py --out "$OUT"            # ~9 minutes
     python3 scripts/gpu/run_parity_and_bench.py --out "$OUT" --skip-parity --budget 300
+    # parity alone, the token-gather backends of both frameworks (bitwise table included):
+    python3 scripts/gpu/run_parity_and_bench.py --out "$OUT" --skip-bench --skip-api --budget 540 \
+        --parity-args "--backends triton,jax-triton,jax-pallas"
 
 Steps (each guarded: one failing step never loses the others' results):
 
@@ -165,7 +168,7 @@ def bench(out: str, budget: float, extra: list[str]) -> dict:
 
 
 def summary(out: str, steps: dict) -> None:
-    lines = ["# Issue 8 GPU run", "", "| step | status |", "|---|---|"]
+    lines = ["# GPU run: parity and benchmark", "", "| step | status |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in steps.items()]
     text_parts = []
     try:
@@ -178,11 +181,11 @@ def summary(out: str, steps: dict) -> None:
     except Exception as err:  # noqa: BLE001
         text_parts.append(f"PARITY: no merged report ({type(err).__name__}: {err})")
     try:
-        from parity.bench import _summary
+        from parity.bench_report import console_summary
 
         with open(os.path.join(out, "bench", "bench.json")) as f:
             rows = json.load(f)["results"]
-        text_parts.append("BENCH\n" + _summary(rows))
+        text_parts.append("BENCH\n" + console_summary(rows))
     except Exception as err:  # noqa: BLE001
         text_parts.append(f"BENCH: no report ({type(err).__name__}: {err})")
     body = "\n\n".join(text_parts)

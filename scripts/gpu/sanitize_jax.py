@@ -1,72 +1,151 @@
-"""The JAX Pallas kernels alone, small, for compute-sanitizer (run on the GPU host).
+#!/usr/bin/env python3
+"""compute-sanitizer memcheck of the JAX kernels alone, small (run on the GPU host).
 
-    compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/gpu/sanitize_jax.py
+From the repository root, after ``source /tmp/qsa-site/env.sh`` (jax-triton 0.3.1)::
 
-Forward and backward (``jax.vjp``) of ``pallas_sparse_gqa_attention`` on small problems
-covering the default flattened-heads tiling, padded tiles with split heads, fp32 tiles,
-packed / padded / CP layouts and adversarial routes; each checked against the float64
-numpy oracle, so nothing else of XLA's (no reference attention, no cuDNN) runs under
-the sanitizer. Prints PROBE_OK when every case agrees.
+    python3 scripts/gpu/sanitize_jax.py --out $OUT                       # triton, ~2 minutes
+    python3 scripts/gpu/sanitize_jax.py --out $OUT --implementation pallas,triton
+
+Runs itself under ``compute-sanitizer --tool memcheck`` (``--probe``) and records the
+sanitizer's ERROR SUMMARY in sanitize_jax.json. The probe runs forward and backward
+(``jax.vjp``) of ``qsa_jax.sparse_gqa_attention`` on small problems, each checked against
+the float64 numpy oracle (so nothing else of XLA's, no reference attention, runs beside
+the kernels), and prints PROBE_OK when every case agrees:
+
+* ``triton`` (the qsa_triton kernels through jax-triton: union key, merge and cut
+  kernels, forward, backward): the default flat tiling with unions cut from tiles (G=12),
+  flat programs sorted one by one (G=6), padded tiles with the backward's unions cut
+  (G=12 padded to 16), fp32 padded tiles, the lean backward; packed, padded and CP
+  layouts, QSA, random and adversarial routes;
+* ``pallas``: the default flattened heads, padded tiles with split heads, fp32 tiles,
+  adversarial routes, the lean backward.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import faulthandler
 import os
+import shutil
+import subprocess
 import sys
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from gpu_common import ROOT, log, relative_error  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import numpy as np  # noqa: E402
 
 
-def main() -> int:
+def _cases(implementation: str):
+    """(problem, heads, dtype, block sizes, tolerance, label) per case."""
+    from qsa_common.layouts import make_problem
+
+    if implementation == "triton":
+        from qsa_triton import DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, BlockSizes
+
+        split = BlockSizes(block_m=64, block_k=32, backward_block_m=32, backward_block_k=32,
+                           backward_rows_per_tile=2)
+        return [
+            (make_problem("packed", "qsa", seed=1, seq_len=128, top_k=8), (12, 1), "bfloat16", None, 1e-2,
+             "default: flat, cut from tiles"),
+            (make_problem("padded", "qsa", seed=2, seq_len=80, top_k=5), (6, 1), "bfloat16", DEFAULT_BLOCK_SIZES,
+             1e-2, "flat, sorted per program"),
+            (make_problem("padded", "adversarial", seed=3, seq_len=64, width=12), (24, 2), "bfloat16", split, 1e-2,
+             "padded, backward cut"),
+            (make_problem("cp", "random", seed=4, seq_len=96, width=16), (12, 1), "float32", SAFE_BLOCK_SIZES, 1e-4,
+             "fp32 padded"),
+            (make_problem("packed", "adversarial", seed=5, seq_len=100, width=12), (12, 1), "bfloat16",
+             dataclasses.replace(DEFAULT_BLOCK_SIZES, lean_backward=True), 1e-2, "lean backward"),
+        ]
+    from qsa_jax.pallas_qsa import BlockSizes
+
+    padded_split = BlockSizes(block_m=64, block_k=32, block_m_bwd=32, block_k_bwd=32)
+    return [
+        (make_problem("packed", "qsa", seed=1, seq_len=128, top_k=8), (12, 1), "bfloat16", None, 1e-2, "default"),
+        (make_problem("padded", "adversarial", seed=2, seq_len=64, width=12), (24, 2), "bfloat16", padded_split,
+         1e-2, "padded/split"),
+        (make_problem("cp", "random", seed=3, seq_len=96, width=16), (12, 1), "float32", None, 1e-4, "fp32"),
+        (make_problem("packed", "adversarial", seed=4, seq_len=100, width=12), (24, 2), "bfloat16", None, 1e-2,
+         "default, adversarial"),
+        (make_problem("packed", "adversarial", seed=5, seq_len=100, width=12), (12, 1), "bfloat16",
+         dataclasses.replace(BlockSizes.default(256, False), lean_backward=True), 1e-2, "lean"),
+    ]
+
+
+def probe(implementations) -> int:
+    """The kernels on small problems against the oracle; PROBE_OK if every case agrees."""
     faulthandler.enable()
     import jax
     import jax.numpy as jnp
 
     from contract_base import random_inputs
-    from qsa_common.layouts import make_problem
-    from qsa_common.oracle import oracle_forward_backward, relative_error
-    from qsa_jax.pallas_qsa import BlockSizes, pallas_sparse_gqa_attention
+    from qsa_common.oracle import oracle_forward_backward
+    from qsa_jax import sparse_gqa_attention
 
-    print(jax.__version__, jax.devices(), flush=True)
+    log(jax.__version__, jax.devices())
     rng = np.random.default_rng(0)
-    padded_split = BlockSizes(block_m=64, block_k=32, block_m_bwd=32, block_k_bwd=32)
-    cases = [  # (problem, heads, dtype, block sizes, tolerance)
-        (make_problem("packed", "qsa", seed=1, seq_len=128, top_k=8), (12, 1), "bfloat16", None, 1e-2),
-        (make_problem("padded", "adversarial", seed=2, seq_len=64, width=12), (24, 2), "bfloat16",
-         padded_split, 1e-2),
-        (make_problem("cp", "random", seed=3, seq_len=96, width=16), (12, 1), "float32", None, 1e-4),
-        (make_problem("packed", "adversarial", seed=4, seq_len=100, width=12), (24, 2), "bfloat16", None, 1e-2),
-        (make_problem("packed", "adversarial", seed=5, seq_len=100, width=12), (12, 1), "bfloat16",
-         dataclasses.replace(BlockSizes.default(256, False), lean_backward=True), 1e-2),
-    ]
     worst = 0.0
-    for problem, heads, dtype, blocks, tol in cases:
-        q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, heads, 256, dtype)
-        jdt = jnp.dtype(dtype)
-        args = [jnp.asarray(x, jdt) for x in (q, k, v)]
-        routes = problem.routes  # int64 numpy, huge IDs included: the API maps them to padding
+    for implementation in implementations:
+        for problem, heads, dtype, blocks, tol, label in _cases(implementation):
+            q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, heads, 256, dtype)
+            jdt = jnp.dtype(dtype)
 
-        def f(a, b, c, routes=routes, blocks=blocks):
-            return pallas_sparse_gqa_attention(a, b, c, routes, 1 / 16, block_sizes=blocks)
+            def f(a, b, c, routes=problem.routes, blocks=blocks):
+                # int64 numpy routes, huge IDs included: the API maps them to padding
+                return sparse_gqa_attention(a, b, c, routes, 1 / 16, implementation=implementation,
+                                            block_sizes=blocks)
 
-        out, pullback = jax.vjp(f, *args)
-        grads = pullback(jnp.asarray(do, jdt))
-        got = [np.asarray(x, np.float64) for x in (out, *grads)]
-        want = oracle_forward_backward(q, k, v, problem.routes, 1 / 16, do)
-        errs = [relative_error(g, w) for g, w in zip(got, want)]
-        label = "default" if blocks is None else "lean" if blocks.lean_backward else "padded/split"
-        print("probe", problem.layout, heads, dtype, label,
-              ["%.2e" % e for e in errs], flush=True)
-        worst = max(worst, max(e / tol for e in errs))
-    print("PROBE_OK" if worst < 1 else "PROBE_NUMERICS_FAIL", flush=True)
+            out, pullback = jax.vjp(f, *(jnp.asarray(x, jdt) for x in (q, k, v)))
+            got = [np.asarray(x, np.float64) for x in (out, *pullback(jnp.asarray(do, jdt)))]
+            want = oracle_forward_backward(q, k, v, problem.routes, 1 / 16, do)
+            errs = [relative_error(g, w) for g, w in zip(got, want)]
+            log("probe", implementation, label, problem.layout, heads, dtype, ["%.2e" % e for e in errs])
+            worst = max(worst, max(e / tol for e in errs))
+    log("PROBE_OK" if worst < 1 else "PROBE_NUMERICS_FAIL")
     return 0 if worst < 1 else 2
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "sanitize-out"))
+    parser.add_argument("--implementation", default="triton", help="comma list of triton,pallas")
+    parser.add_argument("--timeout-s", type=float, default=170.0)
+    parser.add_argument("--probe", action="store_true", help="run the cases (under the sanitizer)")
+    args = parser.parse_args()
+    implementations = [x for x in args.implementation.split(",") if x]
+    if args.probe:
+        return probe(implementations)
+    import json
+
+    os.makedirs(args.out, exist_ok=True)
+    tool = shutil.which("compute-sanitizer")
+    summary = {"implementations": implementations}
+    if tool is None:
+        summary["error"] = "compute-sanitizer not on PATH"
+    else:
+        command = [tool, "--tool", "memcheck", "--print-limit", "30", "--error-exitcode", "3", sys.executable,
+                   os.path.abspath(__file__), "--probe", "--implementation", args.implementation]
+        log_path = os.path.join(args.out, "sanitize_jax.log")
+        with open(log_path, "w") as log_file:
+            try:
+                rc = subprocess.run(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                                    timeout=args.timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        text = open(log_path, errors="replace").read()
+        lines = [line for line in text.splitlines() if "ERROR SUMMARY" in line]
+        summary.update(command=" ".join(command), returncode=rc, error_summary=lines[-1] if lines else None,
+                       probe_ok="PROBE_OK" in text,
+                       probes=[line for line in text.splitlines() if line.startswith("probe ")], tail=text[-3000:])
+    with open(os.path.join(args.out, "sanitize_jax.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    log(f"sanitizer: {summary.get('error_summary') or summary.get('error')} rc={summary.get('returncode')} "
+        f"probe_ok={summary.get('probe_ok')}")
+    return 0 if summary.get("returncode") == 0 and summary.get("probe_ok") else 1
 
 
 if __name__ == "__main__":
