@@ -10,6 +10,13 @@ that cannot run here are reported as unavailable with the reason. Exit status
 Sizes: no option = a small CPU matrix (a few minutes, interpreted kernels
 included); ``--quick`` = CI size; ``--gpu`` = the H200 shapes (S=8192,
 (24,2) and (12,1), D=256, top_k 512, bf16). Any size option overrides the preset.
+
+The layer section (:mod:`parity.layers`): the Flax port of Qwen3.8-Flash-Next's
+QSA layer against the installed upstream PyTorch layer (the ``upstream``
+extra). ``--layers`` runs only it: the CPU matrix (padded, packed, CP; float32
+and bfloat16; correlated and noise hidden states), or with ``--gpu`` the real
+config at ``--seq-len`` (default 8192) on the GPU. Plain ``python -m parity``
+ends with its two smallest cases. It writes ``layers.md`` and ``layers.json``.
 """
 
 from __future__ import annotations
@@ -68,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds; cases not started by then are reported as not run")
     parser.add_argument("--out", default="parity-report", help="report directory (default parity-report/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--layers", action="store_true",
+                        help="only the Flax Qwen3.8-Flash-Next layer against the upstream PyTorch layer")
     parser.add_argument("--merge", nargs="+", metavar="DIR",
                         help="only merge the reports of runs over parts of the matrix into --out")
     args = parser.parse_args(argv)
@@ -157,11 +166,53 @@ def _merge(dirs: list[str], out: str, command: str) -> int:
     return 1 if merged.failures or len(parts) < len(dirs) else 0
 
 
+# plain ``python -m parity``: the two smallest layer cases (well under a minute on 2 cores)
+DEFAULT_LAYER_CASES = (("padded", "float32", "correlated", 301, (301, 174, 0)),
+                       ("packed", "bfloat16", "noise", 301, (3, 150, 2, 146)))
+
+
+def _layer_section(args, command: str, cases) -> int:
+    """Run the layer cases, write ``layers.md`` / ``layers.json``, print the table; 1 on failure."""
+    import numpy as np
+
+    from .layers import run_layers, summary_lines, upstream_missing, write_section
+
+    cases = [c for c in cases if c.layout in args.layouts and c.dtype in (args.dtypes or (c.dtype,))]
+    missing = upstream_missing()
+    if missing or not cases:
+        note = f"layer section unavailable: {missing}" if missing else "layer section: no case left by the filters"
+        write_section([], args.out, command, note)
+        print(note, flush=True)
+        return 0
+    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
+    device = "cuda" if args.gpu else "cpu"
+    print(f"layers: {len(cases)} cases on {device}, seed {seed}", flush=True)
+
+    def on_case(record):
+        if not args.no_progress:
+            print(f"  {record['label']}: {'ok' if record['pass'] else 'FAIL'}", flush=True)
+
+    records = run_layers(cases, seed, device=device, on_case=on_case)
+    md_path, json_path = write_section(records, args.out, command)
+    print("\n".join(summary_lines(records)))
+    print(f"layer report: {md_path} and {json_path}", flush=True)
+    return 1 if any(not r["pass"] for r in records) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.merge:
         return _merge(args.merge, args.out, "python -m parity " + " ".join(argv or sys.argv[1:]))
     _prepare_environment(args.gpu)
+    if args.layers:
+        from .layers import default_cases
+
+        command = "python -m parity " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+        if args.gpu:
+            cases = default_cases("real", dtypes=args.dtypes or ("bfloat16",), seq_len=args.seq_len)
+        else:
+            cases = default_cases("small")
+        return _layer_section(args, command, cases)
     import numpy as np
 
     from .report import summary_text, write_report
@@ -196,7 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     md_path, json_path = write_report(result, args.out, command)
     print(summary_text(result))
     print(f"report: {md_path} and {json_path}", flush=True)
-    return 1 if result.failures else 0
+    status = 1 if result.failures else 0
+    if not (args.quick or args.gpu):
+        from .layers import LayerCase
+
+        status |= _layer_section(args, command, [LayerCase(*c) for c in DEFAULT_LAYER_CASES])
+    return status
 
 
 if __name__ == "__main__":

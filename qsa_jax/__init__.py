@@ -4,6 +4,11 @@
 XLA reference and runs on any device. Pallas kernels import their Triton
 lowering on first use only, so importing this package needs nothing but jax
 and numpy.
+
+Layers: :mod:`qsa_jax.qwen3_8_flash_next` is the Flax nnx port of
+Qwen3.8-Flash-Next's QSA attention layer (imported on demand; it needs flax),
+built from the functional pieces in :mod:`qsa_jax.layers` and the selection
+in :mod:`qsa_jax.indexer`.
 """
 
 from .attention import sparse_gqa_attention

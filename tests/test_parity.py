@@ -184,6 +184,36 @@ def test_cli_rejects_unknown_names(capsys):
         main(["--heads", "5:2"])
 
 
+def test_layers_section_reports_passes_failures_and_a_missing_upstream(tmp_path, monkeypatch, capsys):
+    """``--layers`` runs the layer cases (here one small padded case), writes layers.md and
+    layers.json and exits 0; a failing case exits 1; without the upstream package the
+    section says why and nothing fails."""
+    pytest.importorskip("nemo_automodel.components.models.qwen3_8_flash_next.layers",
+                        reason="needs the upstream extra (nemo-automodel==0.7.0)")
+    from parity import layers
+
+    monkeypatch.setattr(layers, "default_cases",
+                        lambda *a, **k: [layers.LayerCase("padded", "float32", "noise", 64, (64, 37))])
+    argv = ["--layers", "--out", str(tmp_path), "--no-progress"]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "layers.json").read_text())
+    assert report["failures"] == 0 and [c["pass"] for c in report["cases"]] == [True]
+    case = report["cases"][0]
+    assert case["routes"]["unexplained"] == 0 and case["routes"]["rows"] == 64 + 37
+    markdown = (tmp_path / "layers.md").read_text()
+    assert "| case | rows | identical | ties | unexplained |" in markdown and "PASS" in markdown
+    assert "small/padded/float32/noise/S=64" in capsys.readouterr().out
+
+    monkeypatch.setattr(layers, "run_case", lambda case, seed, **kw: {
+        "case": {}, "label": case.label(), "seed": seed, "pass": False, "error": "RuntimeError: kernel exploded"})
+    assert main(argv) == 1
+    assert "FAIL: RuntimeError: kernel exploded" in (tmp_path / "layers.md").read_text()
+
+    monkeypatch.setattr(layers, "upstream_missing", lambda: "nemo-automodel is not importable")
+    assert main(argv) == 0
+    assert "unavailable: nemo-automodel is not importable" in (tmp_path / "layers.md").read_text()
+
+
 # ------------------------------------------------------------------ the benchmark
 def _record(backend, framework, seq_len, **kw):
     return {"backend": backend, "framework": framework, "shape": f"S={seq_len}", "seq_len": seq_len,

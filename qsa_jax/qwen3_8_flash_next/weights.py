@@ -3,8 +3,9 @@
 Torch ``Linear`` weights are ``[out, in]``; the nnx kernels hold their
 transposes. Values are copied bit for bit: bfloat16 tensors travel as their
 16-bit patterns (``ml_dtypes.bfloat16`` on the numpy side), never through a
-float conversion. Torch tensors are recognised by duck typing; this module
-imports torch only inside :func:`to_torch_state_dict`.
+float conversion. This module never imports torch: torch tensors are
+recognised by duck typing, and :func:`to_torch_state_dict` builds tensors with
+the torch module the caller has already imported.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def load_torch_state_dict(module, state_dict: Mapping, prefix: str = "") -> None
     if problems:
         raise ValueError(f"cannot load the state dict into {type(module).__name__}: " + ", ".join(problems))
     for var, array in arrays.values():
-        var.value = jnp.asarray(np.ascontiguousarray(array).astype(var.value.dtype))
+        var[...] = jnp.asarray(np.ascontiguousarray(array).astype(var[...].dtype))
 
 
 def to_torch_state_dict(module, prefix: str = "", *, as_numpy: bool = False) -> dict:
@@ -125,19 +126,20 @@ def to_torch_state_dict(module, prefix: str = "", *, as_numpy: bool = False) -> 
         as_numpy: numpy arrays (``ml_dtypes.bfloat16`` for bf16) instead of torch tensors.
 
     Raises:
-        ImportError: torch is not installed (and ``as_numpy`` is False).
+        ImportError: torch tensors were asked for but torch has not been imported
+            in this process (qsa_jax never imports it itself).
     """
     names = _names(module)
     arrays = {}
     for key, (path, transpose) in names.items():
-        array = np.asarray(_variable(module, path).value)
+        array = np.asarray(_variable(module, path)[...])
         arrays[prefix + key] = np.ascontiguousarray(array.T if transpose else array)
     if as_numpy:
         return arrays
-    try:
-        import torch
-    except ImportError as err:
-        raise ImportError("to_torch_state_dict needs torch; pass as_numpy=True for numpy arrays") from err
+    torch = sys.modules.get("torch")
+    if torch is None:
+        raise ImportError("to_torch_state_dict builds tensors with an imported torch: `import torch` first, "
+                          "or pass as_numpy=True for numpy arrays")
     out = {}
     for key, array in arrays.items():
         if array.dtype == ml_dtypes.bfloat16:

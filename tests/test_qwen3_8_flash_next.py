@@ -1,0 +1,394 @@
+"""The Flax port of Qwen3.8-Flash-Next's QSA layer (qsa_jax.qwen3_8_flash_next).
+
+Without the upstream package: selection rules and layouts, the frozen indexer
+under an optax step, routes kept under remat, errors. With it (the
+``upstream`` extra, nemo-automodel 0.7.0): config defaults, bit-exact weight
+round trips, rotary tables, and the layer itself against the PyTorch layer
+(route agreement with only exact ties, forced-route outputs and gradients)
+through ``parity.layers`` for padded, packed and context-parallel layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from qsa_common.oracle import relative_error
+
+SMALL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, indexer_n_heads=2,
+             indexer_head_dim=32, indexer_budget=32, indexer_compress_ratio=4)
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, indexer_n_heads=2,
+            indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4)
+
+
+def upstream():
+    return pytest.importorskip("nemo_automodel.components.models.qwen3_8_flash_next.layers",
+                               reason="needs the upstream extra (nemo-automodel==0.7.0)")
+
+
+def tiny_layer(seed, dtype="float32", **kw):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from qsa_jax.qwen3_8_flash_next import QSAAttention, QSAConfig
+
+    rng = np.random.default_rng(seed)
+    layer = QSAAttention(QSAConfig(dtype=dtype, **dict(TINY, **kw)), rngs=nnx.Rngs(seed))
+    for var in (layer.q_norm, layer.k_norm, layer.indexer.q_layernorm, layer.indexer.k_layernorm):
+        var[...] = jnp.asarray(rng.uniform(-0.5, 0.5, var.shape), jnp.float32)
+    return layer
+
+
+# ------------------------------------------------------------------ no upstream needed
+def test_importing_the_port_does_not_import_torch():
+    code = "import sys, qsa_jax, qsa_jax.qwen3_8_flash_next; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_config_validates_and_reads_upstream_dicts():
+    from qsa_jax.qwen3_8_flash_next import QSAConfig
+
+    cfg = QSAConfig()
+    assert (cfg.rotary_dim, cfg.top_k, cfg.route_width) == (64, 512, 2051)
+    got = QSAConfig.from_dict({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "head_dim": 16, "indexer_head_dim": 8, "vocab_size": 7, "torch_dtype": "float32",
+                               "rope_parameters": {"rope_theta": 5e5, "partial_rotary_factor": 0.5}})
+    assert (got.rope_theta, got.partial_rotary_factor, got.dtype, got.rotary_dim) == (5e5, 0.5, "float32", 8)
+    for bad, text in ((dict(num_key_value_heads=5), "multiple"), (dict(indexer_kv_heads=2), "one key head"),
+                      (dict(indexer_budget=30), "divisible"), (dict(indexer_compress_ratio=1), "ratio"),
+                      (dict(partial_rotary_factor=0.9), "rotary width"), (dict(dtype="int8"), "dtype"),
+                      (dict(head_dim=0), "positive"), (dict(rms_norm_eps=-1.0), "positive")):
+        with pytest.raises(ValueError, match=text):
+            QSAConfig(**bad)
+
+
+def _check_routes(routes, scores, starts, layout_rows, cfg):
+    """Format and true top-k of routes ``[B,S,W]`` given the port's own scores ``[B,S,N]``."""
+    ratio, top_k = cfg.indexer_compress_ratio, cfg.top_k
+    for b, t, start, real in layout_rows:
+        row = routes[b, t]
+        if not real:
+            assert (row == -1).all(), (b, t)
+            continue
+        v = (t - start + 1) // ratio
+        n = min(v, top_k)
+        ids = row[row >= 0]
+        assert (row[len(ids):] == -1).all(), "valid IDs first"
+        blocks = ids[: ratio * n].reshape(n, ratio)
+        assert (blocks == blocks[:, :1] + np.arange(ratio)).all() and ((blocks[:, 0] - start) % ratio == 0).all()
+        assert (np.diff(blocks[:, 0]) > 0).all(), "blocks ascending"
+        assert list(ids[ratio * n :]) == list(range(start + ratio * v, t + 1)), "the causal tail"
+        if n:
+            assert start <= blocks[:, 0].min() and blocks[:, 0].max() < start + ratio * v, "visible blocks only"
+        visible = [j for j, s in enumerate(starts) if start <= s < start + ratio * v and (s - start) % ratio == 0]
+        chosen = [int(np.searchsorted(starts, s)) for s in blocks[:, 0]]
+        rest = sorted(set(visible) - set(chosen))
+        if rest and chosen:
+            assert min(scores[b, t, chosen]) >= max(scores[b, t, rest]) - 1e-6, (b, t)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_selection_keeps_a_true_top_k_in_the_qsa_format(layout):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from parity.layers import port_scores
+    from qsa_jax.qwen3_8_flash_next import rotary_freqs
+
+    rng = np.random.default_rng()
+    layer = tiny_layer(int(rng.integers(2**31)))
+    cfg = layer.config
+    s = 83
+    if layout == "padded":
+        lengths = np.array([s, 41, 0])
+        mask = (np.arange(s)[None] < lengths[:, None]).astype(np.int32)
+        cu, pos = None, np.broadcast_to(np.arange(s), mask.shape)
+        rows = [(b, t, 0, t < lengths[b]) for b in range(3) for t in range(s)]
+    else:
+        docs = [2, 40, 3, 38]
+        cu = np.concatenate([[0], np.cumsum(docs)]).astype(np.int32)
+        mask, pos = None, np.concatenate([np.arange(d) for d in docs])[None]
+        rows = [(0, t, int(cu[np.searchsorted(cu, t, side="right") - 1]), True) for t in range(s)]
+    x = jnp.asarray(rng.standard_normal((len(pos), s, cfg.hidden_size)), jnp.float32)
+    freqs = rotary_freqs(cfg, pos)
+    kw = dict(attention_mask=None if mask is None else jnp.asarray(mask), cu_seqlens=None if cu is None else jnp.asarray(cu))
+    routes = np.asarray(nnx.jit(lambda m, a, f, k: m.indexer(a, freqs_cis=f, **k))(layer, x, freqs, kw))
+    assert routes.dtype == np.int32 and routes.shape == (len(pos), s, cfg.route_width)
+    scores, step = port_scores(layer, x, freqs, mask, cu)
+    _check_routes(routes, scores, np.arange(scores.shape[-1]) * step, rows, cfg)
+    out = np.asarray(nnx.jit(lambda m, a, f, k: m(a, freqs_cis=f, **k))(layer, x, freqs, kw))
+    padding = np.array([[not r for (bb, tt, _, r) in rows if bb == b] for b in range(len(pos))])
+    assert (out[padding] == 0).all() and np.isfinite(out).all()
+
+
+def test_frozen_indexer_is_untouched_by_an_adamw_step():
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from qsa_jax.qwen3_8_flash_next import FrozenParam, rotary_freqs
+
+    rng = np.random.default_rng()
+    layer = tiny_layer(int(rng.integers(2**31)))
+    x = jnp.asarray(rng.standard_normal((1, 40, 64)), jnp.float32)
+    freqs = rotary_freqs(layer.config, jnp.arange(40)[None])
+    frozen = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(layer, FrozenParam))}
+    trained = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
+    assert len(frozen) == 3 and all(k[0] == "indexer" for k in frozen)
+    optimizer = nnx.Optimizer(layer, optax.adamw(1e-2, weight_decay=0.5), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, a):
+        grads = nnx.grad(lambda m: jnp.sum(m(a, freqs_cis=freqs) ** 2))(model)
+        opt.update(model, grads)
+        return grads
+
+    grads = step(layer, optimizer, x)
+    assert not nnx.state(grads, FrozenParam), "the frozen weights get no gradient"
+    for k, v in nnx.to_flat_state(nnx.state(layer, FrozenParam)):
+        assert np.array_equal(np.asarray(v), frozen[k]), f"{k} changed"
+    changed = [k for k, v in nnx.to_flat_state(nnx.state(layer, nnx.Param)) if not np.array_equal(np.asarray(v), trained[k])]
+    assert len(changed) == len(trained), "every trainable weight moved"
+    assert jax.tree.leaves(optimizer.opt_state), "an optimizer state exists for the trainable weights"
+
+
+def _count(jaxpr, primitive):
+    from jax.extend.core import jaxprs_in_params
+
+    return sum((eqn.primitive.name == primitive) + sum(_count(sub, primitive) for sub in jaxprs_in_params(eqn.params))
+               for eqn in jaxpr.eqns)
+
+
+def test_remat_replays_the_routes_instead_of_reselecting():
+    """The backward of a rematerialised layer contains the selection's top_k again unless the
+    routes are saved: once with save_routes_policy (as without remat), twice without it."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from qsa_jax.qwen3_8_flash_next import rotary_freqs, save_routes_policy
+
+    layer = tiny_layer(0)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 40, 64)), jnp.float32)
+    freqs = rotary_freqs(layer.config, jnp.arange(40)[None])
+    graphdef, state = nnx.split(layer)
+
+    def apply(state, a):
+        return nnx.merge(graphdef, state)(a, freqs_cis=freqs)
+
+    def top_ks(fn):
+        jaxpr = jax.make_jaxpr(jax.grad(lambda s, a: jnp.sum(fn(s, a)), argnums=(0, 1)))(state, x).jaxpr
+        return _count(jaxpr, "top_k")
+
+    assert top_ks(apply) == 1
+    assert top_ks(jax.checkpoint(apply)) == 2, "plain remat reruns the selection in the backward"
+    assert top_ks(jax.checkpoint(apply, policy=save_routes_policy())) == 1
+    assert top_ks(jax.checkpoint(apply, policy=save_routes_policy(jax.checkpoint_policies.dots_saveable))) == 1
+
+    def nnx_apply(state, a):
+        model = nnx.merge(graphdef, state)
+        return nnx.remat(lambda m, b: m(b, freqs_cis=freqs), policy=save_routes_policy())(model, a)
+
+    assert top_ks(nnx_apply) == 1
+    # and remat changes no number
+    plain = jax.jit(jax.grad(lambda s, a: jnp.sum(apply(s, a) ** 2), argnums=1))(state, x)
+    saved = jax.jit(jax.grad(lambda s, a: jnp.sum(jax.checkpoint(apply, policy=save_routes_policy())(s, a) ** 2),
+                             argnums=1))(state, x)
+    assert relative_error(np.asarray(saved), np.asarray(plain)) < 1e-6
+
+
+def test_bad_inputs_raise_clear_errors():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from qsa_jax.qwen3_8_flash_next import QSAAttention, context_parallel_qsa_attention, rotary_freqs
+
+    layer = tiny_layer(0)
+    x = jnp.ones((2, 12, 64), jnp.float32)
+    freqs = rotary_freqs(layer.config, jnp.broadcast_to(jnp.arange(12), (2, 12)))
+    call = lambda **kw: layer(kw.pop("x", x), freqs_cis=kw.pop("freqs_cis", freqs), **kw)  # noqa: E731
+    cases = [
+        (dict(x=jnp.ones((2, 12, 63))), ValueError, "x must be"),
+        (dict(freqs_cis=freqs[..., :2]), ValueError, "freqs_cis must be"),
+        (dict(attention_mask=jnp.full((2, 12), 2)), ValueError, "only 0 and 1"),
+        (dict(attention_mask=jnp.asarray([[1] * 12, [1, 0] * 6])), ValueError, "right-padded"),
+        (dict(attention_mask=jnp.ones((2, 11))), ValueError, "attention_mask must be"),
+        (dict(cu_seqlens=jnp.asarray([0, 12])), ValueError, "batch of one row"),
+        (dict(x=x[:1], freqs_cis=freqs[:1], cu_seqlens=jnp.asarray([0, 5, 5, 12])), ValueError, "increase strictly"),
+        (dict(x=x[:1], freqs_cis=freqs[:1], cu_seqlens=jnp.asarray([0, 5, 11])), ValueError, "end at"),
+        (dict(x=x[:1], freqs_cis=freqs[:1], cu_seqlens=jnp.asarray([0, 12]), attention_mask=jnp.ones((1, 12))),
+         ValueError, "not both"),
+        (dict(x=x.astype(jnp.int32)), TypeError, "floating"),
+    ]
+    for kwargs, exc, text in cases:
+        with pytest.raises(exc, match=text):
+            call(**kwargs)
+    with pytest.raises(TypeError, match="QSAConfig"):
+        QSAAttention({"hidden_size": 64}, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="unknown implementation"):
+        QSAAttention(layer.config, rngs=nnx.Rngs(0), implementation="no-such-kernel")(
+            x, freqs_cis=freqs, selected_token_ids=np.zeros((2, 12, 1), np.int32))
+    import jax
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("cp",))
+    with pytest.raises(ValueError, match="not an axis"):
+        context_parallel_qsa_attention(layer, x, freqs_cis=freqs, mesh=mesh, axis_name="sp")
+    with pytest.raises(ValueError, match="divisible"):
+        context_parallel_qsa_attention(layer, x[:, :10], freqs_cis=freqs[:, :10], mesh=Mesh(
+            np.array(jax.devices()[:2]), ("cp",)))
+
+
+# ------------------------------------------------------------------ against the upstream layer
+def test_config_defaults_are_upstreams():
+    up = upstream()
+    from nemo_automodel.components.models.qwen3_8_flash_next.config import Qwen3_8_FlashNextTextConfig
+
+    from qsa_jax.qwen3_8_flash_next import QSAConfig
+
+    del up
+    theirs = Qwen3_8_FlashNextTextConfig()
+    ours = QSAConfig()
+    for field in dataclasses.fields(QSAConfig):
+        want = getattr(theirs, field.name)
+        want = str(want).removeprefix("torch.") if field.name == "dtype" else want
+        assert getattr(ours, field.name) == want, field.name
+    assert QSAConfig.from_dict(theirs.to_dict()) == ours
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_round_trip_bit_exact(dtype):
+    upstream()
+    import torch
+    from flax import nnx
+
+    from parity.layers import LayerCase, upstream_layer
+    from qsa_jax.qwen3_8_flash_next import (QSAAttention, QSAConfig, load_torch_state_dict,
+                                            to_torch_state_dict)
+
+    seed = int(np.random.default_rng().integers(2**31))
+    torch_layer, _, _ = upstream_layer(LayerCase("padded", dtype, "noise", 8, (8,)), seed)
+    theirs = torch_layer.state_dict()
+    layer = QSAAttention(QSAConfig(dtype=dtype, **SMALL), rngs=nnx.Rngs(1))
+    prefix = "model.language_model.layers.3.self_attn."
+    whole_model = {prefix + k: v for k, v in theirs.items()}
+    whole_model["model.language_model.layers.2.mlp.weight"] = torch.zeros(3)  # outside the prefix: ignored
+    load_torch_state_dict(layer, whole_model, prefix=prefix)
+    back = to_torch_state_dict(layer)
+    assert back.keys() == theirs.keys()
+    for k, v in theirs.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape, k
+        assert torch.equal(back[k].view(torch.int16) if v.dtype == torch.bfloat16 else back[k],
+                           v.view(torch.int16) if v.dtype == torch.bfloat16 else v), k
+    arrays = to_torch_state_dict(layer, prefix, as_numpy=True)
+    other = QSAAttention(QSAConfig(dtype=dtype, **SMALL), rngs=nnx.Rngs(2))
+    load_torch_state_dict(other, arrays, prefix=prefix)  # numpy (ml_dtypes bf16) in, same bits out
+    assert all(torch.equal(to_torch_state_dict(other)[k].float(), v.float()) for k, v in theirs.items())
+    assert np.array_equal(np.asarray(layer.q_proj.kernel[...]).T.astype(np.float32),
+                          theirs["q_proj.weight"].float().numpy()), "torch [out, in] is the kernel's transpose"
+
+    broken = dict(theirs)
+    del broken["k_norm.weight"]
+    broken["q_proj.bias"] = torch.zeros(3)
+    broken["o_proj.weight"] = theirs["o_proj.weight"][:, :-1]
+    with pytest.raises(ValueError) as err:
+        load_torch_state_dict(other, broken)
+    message = str(err.value)
+    assert "missing keys ['k_norm.weight']" in message and "q_proj.bias" in message and "o_proj.weight" in message
+    with pytest.raises(TypeError, match="q_proj.weight"):
+        load_torch_state_dict(other, dict(theirs, **{"q_proj.weight": [[1.0]]}))
+
+
+def test_rotary_freqs_match_the_upstream_rotary():
+    upstream()
+    from parity.layers import LayerCase, upstream_freqs, upstream_layer
+    from qsa_jax.qwen3_8_flash_next import QSAConfig, rotary_freqs
+
+    pos = np.array([[0, 1, 2, 3, 100, 2051, 8191, 32767, 131071, 262143]])
+    for config, kw in (("small", SMALL), ("real", {})):
+        for dtype in ("float32", "bfloat16"):
+            _, rot, _ = upstream_layer(LayerCase("padded", dtype, "noise", 8, (8,), config), 0)
+            want = upstream_freqs(rot, pos, dtype, "cpu").float().numpy()
+            got = np.asarray(rotary_freqs(QSAConfig(dtype=dtype, **kw), pos)).astype(np.float32)
+            assert got.shape == want.shape
+            # cos/sin libraries differ by at most an ulp; the inverse frequencies and angles are exact
+            ulp = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -23
+            assert np.abs(got - want).max() <= ulp, (config, dtype)
+
+
+CASES = {
+    "padded-f32-correlated": ("padded", "float32", "correlated", 301, (301, 174, 0)),
+    "packed-bf16-noise": ("packed", "bfloat16", "noise", 301, (3, 150, 2, 146)),
+    "cp-padded-bf16-correlated": ("cp", "bfloat16", "correlated", 296, (296, 203)),
+    "cp-packed-f32-noise": ("cp", "float32", "noise", 296, (5, 170, 118)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_port_matches_the_upstream_layer(name):
+    """Route sets agree except at exact upstream ties; on upstream's routes the output, dx and
+    every trainable gradient agree at the contract's tolerance; padding rows are exact zeros."""
+    upstream()
+    from parity.layers import LayerCase, run_case
+
+    case = LayerCase(*CASES[name])
+    record = run_case(case, int(np.random.default_rng().integers(2**31)))
+    assert "error" not in record, record.get("error")
+    routes = record["routes"]
+    assert routes["unexplained"] == 0, routes["failures"]
+    assert routes["identical"] + routes["tie_explained"] == routes["rows"] > 0
+    for example in routes["examples"]:
+        assert example["tie"] and all(v == example["cut"] for v in example["swapped_scores"].values())
+    forced = record["forced"]
+    assert set(forced["errors"]) == {"out", "dx", "q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                     "o_proj.weight", "q_norm.weight", "k_norm.weight"}
+    assert forced["pass"], forced["errors"]
+    assert record["free"]["out_same_route_rows"] < forced["tolerance"]
+    assert record["padding_rows_zero"] and record["pass"]
+
+
+def test_tie_check_tells_ties_from_real_differences():
+    from parity.layers import _explain
+
+    scores = np.array([5.0, 0.0, 2.0, 0.0, 3.0, 0.0])  # 6 visible blocks of a row at position 25
+    up = {i for b in (0, 1, 4) for i in range(4 * b, 4 * b + 4)} | {24, 25}
+    tie = {i for b in (0, 3, 4) for i in range(4 * b, 4 * b + 4)} | {24, 25}
+    wrong = {i for b in (0, 2, 4) for i in range(4 * b, 4 * b + 4)} | {24, 25}
+    assert _explain(up, tie, 0, 25, 4, scores)["tie"]
+    verdict = _explain(up, wrong, 0, 25, 4, scores)
+    assert not verdict["tie"] and verdict["port_only"] == [2]
+    assert not _explain(up, tie - {25}, 0, 25, 4, scores)["tie"], "a different tail is never a tie"
+
+
+def test_parity_flags_a_wrong_port(monkeypatch):
+    """A norm weight off by 1e-3 fails the forced-route check; a selection biased towards
+    later blocks leaves unexplained route differences."""
+    upstream()
+    import jax.numpy as jnp
+
+    import parity.layers as layers
+    from qsa_jax.qwen3_8_flash_next import indexer as port_indexer
+
+    real_port, real_score = layers.port_layer, port_indexer._head_sum_score
+
+    def perturbed(*args, **kw):
+        port = real_port(*args, **kw)
+        port.q_norm[...] = port.q_norm[...] + 1e-3
+        return port
+
+    def biased(dim):
+        score = real_score(dim)
+        return lambda relu_dots: score(relu_dots) + 0.1 * jnp.arange(relu_dots.shape[-1])
+
+    monkeypatch.setattr(layers, "port_layer", perturbed)
+    monkeypatch.setattr(port_indexer, "_head_sum_score", biased)
+    monkeypatch.setattr(layers, "_STEPS", {})
+    record = layers.run_case(layers.LayerCase("padded", "float32", "noise", 96, (96, 61)), 5)
+    assert not record["pass"]
+    assert not record["forced"]["pass"] and record["forced"]["errors"]["q_norm.weight"] > 1e-5
+    assert record["routes"]["unexplained"] > 0
