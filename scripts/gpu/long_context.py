@@ -182,6 +182,20 @@ def torch_triton(case: TorchCase) -> dict:
     return result
 
 
+def torch_to_jax(torch, t):
+    """A torch tensor as a JAX array: shared through DLPack, else copied via the host."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        return jax.dlpack.from_dlpack(t.contiguous())
+    except Exception:  # noqa: BLE001: any DLPack refusal: copy through the host
+        if t.dtype == torch.bfloat16:
+            bits = jnp.asarray(t.contiguous().view(torch.int16).cpu().numpy())
+            return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+        return jnp.asarray(t.cpu().numpy())
+
+
 def jax_default(case: TorchCase) -> dict:
     import jax
     import jax.numpy as jnp
@@ -189,18 +203,8 @@ def jax_default(case: TorchCase) -> dict:
     from qsa_jax import sparse_gqa_attention
 
     torch = case.torch
-
-    def to_jax(t):
-        try:
-            return jax.dlpack.from_dlpack(t.contiguous())
-        except Exception:  # noqa: BLE001: any DLPack refusal: copy through the host
-            bits = t.contiguous().view(torch.int16).cpu().numpy() if t.dtype == torch.bfloat16 else None
-            if bits is None:
-                return jnp.asarray(t.cpu().numpy())
-            return jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.bfloat16)
-
-    q, k, v, do, do_masked, routes = (to_jax(t) for t in (case.q, case.k, case.v, case.do,
-                                                          case.do_masked, case.routes))
+    q, k, v, do, do_masked, routes = (torch_to_jax(torch, t) for t in (
+        case.q, case.k, case.v, case.do, case.do_masked, case.routes))
     scale = case.scale
 
     def step(q_, k_, v_, g_, r_):

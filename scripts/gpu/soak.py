@@ -39,6 +39,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX next to t
 import numpy as np  # noqa: E402
 
 from gpu_common import ROOT, log, relative_error  # noqa: E402
+from long_context import torch_to_jax  # noqa: E402
 
 TOLERANCE = 1e-2  # the contract's bf16 tolerance
 SAMPLED_ROWS = 64
@@ -83,20 +84,6 @@ def jax_step_function(cache: dict, key):
 
         cache[key] = jax.jit(step)
     return cache[key]
-
-
-def to_jax(torch, t):
-    import jax
-
-    try:
-        return jax.dlpack.from_dlpack(t.contiguous())
-    except Exception:  # noqa: BLE001: any DLPack refusal: copy through the host
-        import jax.numpy as jnp
-
-        if t.dtype == torch.bfloat16:
-            return jax.lax.bitcast_convert_type(jnp.asarray(t.contiguous().view(torch.int16).cpu().numpy()),
-                                                jnp.bfloat16)
-        return jnp.asarray(t.cpu().numpy())
 
 
 def from_jax(torch, a, device):
@@ -177,7 +164,7 @@ def run_step(i, args, rng, state) -> dict:
             known = len(state["jax_cache"])
             step = jax_step_function(state["jax_cache"], key)
             entry["jax compiled"] = len(state["jax_cache"]) > known
-            jq, jk, jv, jdo, jdm, jr = (to_jax(torch, t) for t in (q, k, v, do, do_masked, routes))
+            jq, jk, jv, jdo, jdm, jr = (torch_to_jax(torch, t) for t in (q, k, v, do, do_masked, routes))
             out, dq, _, _ = step(jq, jk, jv, jdo, jr)
             check("jax", from_jax(torch, out, device), from_jax(torch, dq, device))
             if full_check:
