@@ -32,7 +32,7 @@ def interpreted() -> bool:
         ImportError: triton is not installed.
     """
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - a clear error before the kernels' own import
     except ImportError as exc:  # pragma: no cover - exercised where triton is absent
         raise ImportError("the Triton QSA backend needs the 'triton' package (pip install triton)") from exc
     return spec.interpreted()

@@ -76,8 +76,8 @@ def program_xy(NX, NY, FOLD: tl.constexpr):
     With FOLD > 1, programs past NY are dead: ``live`` is False and y is clamped to
     NY - 1 so that their addresses stay in bounds; the caller masks all their work off
     (with ``tl.where(live, mask, False)``: the interpreter mistypes ``mask & live``)."""
-    if FOLD == 1:
-        return tl.program_id(0), tl.program_id(1), True
+    if FOLD == 1:  # every program is live (the flag is unused there, and compiled away)
+        return tl.program_id(0), tl.program_id(1), tl.program_id(1) >= 0
     else:
         pid = tl.program_id(0)
         y = pid // NX + FOLD * tl.program_id(1)

@@ -309,3 +309,73 @@ def test_parity_suite_bitwise_column(monkeypatch, tmp_path):
     failing = run_suite(dataclasses.replace(config, families=("qsa",)), env=env)
     assert failing.failures == 1 and failing.bitwise[0].status == "fail" and failing.bitwise[0].lse > 0
     assert "forward not bitwise equal" in markdown(failing)
+
+
+_PTX_CHECK = r'''
+import os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qsa_triton import DEFAULT_BLOCK_SIZES, make_plan
+from qsa_triton import launch as spec
+from qsa_triton.plan import union_recipe
+
+PTR = {"float32": "*fp32", "bfloat16": "*bf16", "int32": "*i32"}
+plan = make_plan(12, 256, DEFAULT_BLOCK_SIZES)
+q = ((1, 512, 24, 256), spec.contiguous_strides((1, 512, 24, 256)))
+kv = ((1, 512, 2, 256), spec.contiguous_strides((1, 512, 2, 256)))
+step, cut = union_recipe(plan, 512, 2052, 512)
+launch = spec.forward_launch(plan, q, kv, kv, (1, cut.n_sub, cut.width), 0.0625, "bfloat16", interpreted=False)
+fn = spec.kernel("forward")
+types = dict(Q="bfloat16", K="bfloat16", V="bfloat16", UNION="int32", COUNT="int32", ROWBITS="int32")
+params = dict(launch.params)
+
+
+def float_ops(jax_triton):
+    """Compile for sm_90a as each launcher specialises it: torch's JIT (runtime integers, 1
+    as a constant, multiples of 16 marked divisible), jax-triton (integers as constants)."""
+    sig = {n: PTR[types[n]] for n in launch.inputs}
+    sig.update({n: "fp32" for n, _ in launch.scalars})
+    sig.update({o.name: PTR[o.dtype] for o in launch.outputs})
+    constexprs = {}
+    for n, v in launch.params:
+        if jax_triton or fn.params[fn.arg_names.index(n)].is_constexpr or isinstance(v, bool) or v == 1:
+            constexprs[n], sig[n] = v, "constexpr"
+        else:
+            sig[n] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and params[n] % 16 == 0)}
+    kernel = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    ops = []
+    for line in kernel.asm["ptx"].splitlines():
+        m = re.match(r"\s*(?:@%p\d+\s+)?([a-z][\w.]*)", line)
+        if m and not m.group(1).startswith(("ld", "st", "mov", "cvt.u", "cvt.s")) and any(
+                t in m.group(1) for t in (".f32", ".bf16", "wgmma", "mma", "ex2", "lg2", "rcp")):
+            ops.append(m.group(1))
+    return ops
+
+
+torch_ops, jax_ops = float_ops(False), float_ops(True)
+assert any("wgmma" in op for op in torch_ops), torch_ops[:20]
+assert torch_ops == jax_ops, (len(torch_ops), len(jax_ops))
+print("SAME", len(torch_ops))
+'''
+
+
+def test_forward_compiles_to_the_same_float_instructions_for_both_launchers():
+    """The tuned forward (sm_90a, D=256, bf16) compiled as torch's JIT specialises it and
+    as jax-triton does (integers as constants): the same floating-point instructions in
+    the same order, so the two launches compute the same bits (compiled on this CPU; the
+    GPU check is scripts/gpu/check_jax_triton.py)."""
+    import subprocess
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _PTX_CHECK], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower()):
+        pytest.skip(f"Triton cannot compile for sm_90a here: {proc.stderr[-300:]}")
+    assert proc.returncode == 0 and "SAME" in proc.stdout, proc.stderr[-3000:]
