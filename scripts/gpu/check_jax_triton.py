@@ -110,7 +110,8 @@ def check_case(layout: str, heads, seed: int) -> dict:
     refs = [ref_out.detach()] + [t.grad for t in leaves]
     backward = {}
     for name, a, b, a2, ref in zip(("dq", "dk", "dv"), grads_t, grads_j, grads_t2, refs[1:]):
-        backward[name] = {"torch_vs_jax_max_abs_diff": max_abs_diff(a, b), "torch_vs_jax_relative": relative_error(b, a),
+        backward[name] = {"torch_vs_jax_max_abs_diff": max_abs_diff(a, b),
+                          "torch_vs_jax_relative": relative_error(b, a),
                           "torch_vs_torch_max_abs_diff": max_abs_diff(a, a2),
                           "torch_vs_reference": relative_error(a, ref), "jax_vs_reference": relative_error(b, ref)}
     result["backward"] = backward

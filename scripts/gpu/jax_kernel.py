@@ -65,7 +65,8 @@ def check(results, seq_len, heads_list=((24, 2), (12, 1)), dtype="bfloat16", imp
                         *jax.vjp(lambda a, b_, c: fn(a, b_, c, r, 1 / 16), q, k, v)))
                     args = [x.astype(dt) for x in (q, k, v, do)]
                     outs[impl] = [np.asarray(x.astype(jnp.float32)) for x in f(*args, routes)]
-                errs = {n: relative_error(a, b_) for n, a, b_ in zip(("out", "dq", "dk", "dv"), outs["kernel"], outs["xla"])}
+                errs = {n: relative_error(a, b_)
+                        for n, a, b_ in zip(("out", "dq", "dk", "dv"), outs["kernel"], outs["xla"])}
                 empty = ~np.any((prob.routes >= 0) & (prob.routes < prob.kv_length), axis=-1)
                 zero_ok = bool(np.all(outs["kernel"][0][empty] == 0) and np.all(outs["kernel"][1][empty] == 0))
                 ok = all(e < 1e-2 for e in errs.values()) and zero_ok
