@@ -61,6 +61,11 @@ class Output:
 
 @dataclass(frozen=True)
 class Launch:
+    """One kernel call: ``kernel`` (a name for :func:`kernel`), its ``grid``, ``num_warps``
+    and ``num_stages``; ``inputs`` (array argument names), ``scalars`` ((name, fp32 value)),
+    ``outputs`` and ``params`` ((name, int or bool): sizes, strides, constexprs), each
+    group in the kernel's signature order."""
+
     kernel: str
     grid: tuple[int, ...]
     inputs: tuple[str, ...]
