@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 settings.register_profile("ci", max_examples=6, derandomize=True, database=None, deadline=None,
                           suppress_health_check=_SLOW_OK, print_blob=True)
-settings.register_profile("gpu", max_examples=30, deadline=None, suppress_health_check=_SLOW_OK,
+settings.register_profile("gpu", max_examples=20, deadline=None, suppress_health_check=_SLOW_OK,
                           print_blob=True)
 settings.load_profile("ci")  # `--hypothesis-profile` (applied after this) overrides it
 

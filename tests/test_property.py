@@ -240,7 +240,7 @@ def test_torch_reference_float64(case):
     _check(case, _run_torch(_torch_backend("reference"), case), "torch reference fp64")
 
 
-@_examples(0.5 if _GPU_PROFILE else 1.0)
+@_examples(0.25 if _GPU_PROFILE else 1.0)
 @given(case=cases(dtypes=("float32", "bfloat16"), head_dims=_FLEX_DIMS))
 def test_torch_flex(case):
     torch, device = _torch()
