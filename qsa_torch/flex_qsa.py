@@ -122,12 +122,13 @@ class _CompiledFlex:
             )
         if self._function is None:
             self._function = _compile_flex(self._compiler)
-        from torch._dynamo.exc import FailOnRecompileLimitHit
+        from torch._dynamo import exc as dynamo_errors
 
+        limit_hit = getattr(dynamo_errors, "FailOnRecompileLimitHit", ())  # () catches nothing
         with torch._dynamo.config.patch(**_dynamo_limits(MAX_COMPILED_SHAPES + 8)):
             try:
                 out = self._function(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
-            except FailOnRecompileLimitHit as err:
+            except limit_hit as err:
                 raise RuntimeError(
                     "flex_sparse_gqa_attention: torch.compile refused to specialise "
                     f"FlexAttention for query {tuple(q.shape)} / key {tuple(k.shape)} "

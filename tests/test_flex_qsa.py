@@ -327,6 +327,28 @@ def test_bucketed_path_compiles_each_bucket_once_with_dynamo(rng):
     assert len(cache.shapes) == 11 > torch._dynamo.config.recompile_limit
 
 
+def test_a_refused_compile_raises_instead_of_running_uncompiled(rng):
+    """What dynamo does past its recompile limit under fullgraph/fail_on_recompile_limit_hit
+    reaches the caller as a RuntimeError; the settings of the call say so."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    settings = flex_qsa._dynamo_limits(100)
+    assert settings["fail_on_recompile_limit_hit"] is True and settings["suppress_errors"] is False
+    assert settings["recompile_limit"] >= 100 and settings["accumulated_recompile_limit"] >= 200
+
+    def refusing_compiler(fn, **options):
+        def run(*args, **kwargs):
+            assert torch._dynamo.config.fail_on_recompile_limit_hit  # patched for the call
+            raise FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+        return run
+
+    routes, _, tensors = _bucketed_case(rng, 1, 50, 50)
+    with pytest.raises(RuntimeError, match="does not run uncompiled"), torch.no_grad():
+        flex_qsa._attend_bucketed(*tensors, torch.from_numpy(routes), ProblemDims(1, 50, 50, 4, 2, 16, 6),
+                                  0.3, flex_qsa._CompiledFlex(refusing_compiler))
+    assert not torch._dynamo.config.fail_on_recompile_limit_hit  # restored
+
+
 def test_table_is_refused_at_the_models_full_context():
     """S = 262144 (max_position_embeddings): 64 GiB of table, ~143 GiB while it is built,
     more than an H200 has (143771 MiB in all): refused before anything is allocated

@@ -74,7 +74,9 @@ class TorchCase:
         self.torch, self.device = torch, device
         hq, hkv = heads
         gen = torch.Generator(device=device).manual_seed(hq)
-        draw = lambda *shape: torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)  # noqa: E731
+        def draw(*shape):
+            return torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)
+
         self.q, self.do = draw(1, seq_len, hq, head_dim), draw(1, seq_len, hq, head_dim)
         self.k, self.v = draw(1, seq_len, hkv, head_dim), draw(1, seq_len, hkv, head_dim)
         self.routes = torch.from_numpy(routes_np).to(device)

@@ -213,7 +213,8 @@ def summarize(steps: list[dict], state: dict, seconds: float) -> dict:
         "steps": len(steps), "seconds": round(seconds, 1),
         "failed steps": [s["step"] for s in steps if s["failures"] or s["exceptions"]],
         "failures": [f"step {s['step']}: {f}" for s in steps for f in s["failures"]][:50],
-        "exceptions": [f"step {s['step']} {where}: {msg}" for s in steps for where, msg, _ in s["exceptions"]][:50],
+        "exceptions": [f"step {s['step']} {where}: {msg}"
+                       for s in steps for where, msg, _ in s["exceptions"]][:50],
         "first tracebacks": [tb for s in steps for _, _, tb in s["exceptions"]][:3],
         "layouts": {k: sum(s["layout"] == k for s in steps) for k in ("padded", "packed", "cp")},
         "distinct shapes": len({tuple(s["shape"]) for s in steps}),
