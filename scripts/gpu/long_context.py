@@ -36,6 +36,7 @@ import concurrent.futures
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX next to torch
@@ -267,7 +268,8 @@ def main() -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     record = Record(os.path.join(args.out, "long_context.json"), budget_s=args.budget_s,
                     seq_len=args.seq_len, head_dim=args.head_dim, top_k=args.top_k, device=args.device)
-    routes_path = os.path.join(args.out, "routes.npy")
+    # not under --out: 2 GiB of routes must not travel back with the results
+    routes_path = os.path.join(tempfile.mkdtemp(prefix="qsa-long-context-"), "routes.npy")
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         pending = pool.submit(make_routes, args.seq_len, args.top_k, routes_path)
@@ -288,6 +290,7 @@ def main() -> int:
         return 1
     routes_np = np.load(routes_path)
     os.remove(routes_path)
+    os.rmdir(os.path.dirname(routes_path))
     failed = False
     cases = {}
     # torch first for every layout, then JAX: JAX keeps the memory it grew into, which
