@@ -203,8 +203,10 @@ def test_remat_replays_the_routes_instead_of_reselecting():
 
 
 def test_bad_inputs_raise_clear_errors():
+    import jax
     import jax.numpy as jnp
     from flax import nnx
+    from jax.sharding import Mesh
 
     from qsa_jax.qwen3_8_flash_next import QSAAttention, context_parallel_qsa_attention, rotary_freqs
 
@@ -233,9 +235,6 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="unknown implementation"):
         QSAAttention(layer.config, rngs=nnx.Rngs(0), implementation="no-such-kernel")(
             x, freqs_cis=freqs, selected_token_ids=np.zeros((2, 12, 1), np.int32))
-    import jax
-    from jax.sharding import Mesh
-
     mesh = Mesh(np.array(jax.devices()[:1]), ("cp",))
     with pytest.raises(ValueError, match="not an axis"):
         context_parallel_qsa_attention(layer, x, freqs_cis=freqs, mesh=mesh, axis_name="sp")
@@ -246,12 +245,11 @@ def test_bad_inputs_raise_clear_errors():
 
 # ------------------------------------------------------------------ against the upstream layer
 def test_config_defaults_are_upstreams():
-    up = upstream()
+    upstream()
     from nemo_automodel.components.models.qwen3_8_flash_next.config import Qwen3_8_FlashNextTextConfig
 
     from qsa_jax.qwen3_8_flash_next import QSAConfig
 
-    del up
     theirs = Qwen3_8_FlashNextTextConfig()
     ours = QSAConfig()
     for field in dataclasses.fields(QSAConfig):

@@ -12,7 +12,9 @@ position ``p`` of its document sees ``v = (p + 1) // c`` complete blocks and
 keeps all of them when ``v <= top_k``, else the ``top_k = budget / c`` best
 (ties: the earlier block); kept blocks expand to their ``c`` token IDs in
 ascending order, then the causal tail ``c*v .. p``; width ``budget + c - 1``,
-int32, -1 padding. Padding rows are all -1.
+int32, -1 padding. Padding rows are all -1. (Upstream lists top-k blocks in
+score order and breaks ties in an unspecified order; routes are sets, so only
+the choice among exactly tied blocks at the cut can differ.)
 
 Layouts: a right-padded batch (binary ``attention_mask``), one packed row
 (``cu_seqlens``: blocks restart at every document start, RoPE positions are
@@ -48,9 +50,12 @@ class FrozenParam(nnx.Variable):
 
 def _concrete(x):
     """``x`` as a numpy array, or None while it is being traced."""
-    if x is None or isinstance(x, jax.core.Tracer):
+    if x is None:
         return None
-    return np.asarray(x)
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
