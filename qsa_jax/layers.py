@@ -41,10 +41,16 @@ def rounded(x, dtype):
 
 
 def matmul(x, weight):
-    """``x [..., in] @ weight [in, out]`` in the weight's dtype (float32: full precision)."""
+    """``x [..., in] @ weight [in, out]`` in the weight's dtype (float32: full precision).
+
+    16-bit weights: float32 accumulation, the product rounded once to the weight's
+    dtype (what a 16-bit GEMM stores), guarded by :func:`rounded` so that a consumer
+    fused into the GEMM still sees the rounded value."""
     dtype = weight.dtype
-    precision = jax.lax.Precision.HIGHEST if jnp.finfo(dtype).bits >= 32 else None
-    return jnp.matmul(x.astype(dtype), weight, precision=precision)
+    if jnp.finfo(dtype).bits >= 32:
+        return jnp.matmul(x.astype(dtype), weight, precision=jax.lax.Precision.HIGHEST)
+    product = jnp.matmul(x.astype(dtype), weight, preferred_element_type=jnp.float32)
+    return rounded(product, dtype).astype(dtype)
 
 
 def rms_norm(x, weight, eps: float):
@@ -60,7 +66,7 @@ def rms_norm(x, weight, eps: float):
     """
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return rounded(y * (1.0 + weight.astype(jnp.float32)), x.dtype).astype(x.dtype)
 
 
 def rotary_table(positions, *, rotary_dim: int, theta: float, dtype=jnp.float32):

@@ -121,6 +121,33 @@ def test_bf16_rotary_rounds_after_every_operation():
     assert np.array_equal(got, want)
 
 
+def test_every_16bit_rounding_point_is_guarded_against_excess_precision():
+    """XLA may keep float32 across a cast pair it fuses (``xla_allow_excess_precision``,
+    on by default; seen on the H200, where the jitted indexer's routes drifted from
+    PyTorch's while the op-by-op scores matched). Every place the port rounds to bf16
+    carries a ``reduce_precision`` that no rewrite removes: the projection's GEMM output,
+    the RMSNorm output, the key mean, each RoPE product and sum."""
+    import jax
+    import jax.numpy as jnp
+
+    from qsa_jax.layers import apply_rotary, matmul, rms_norm
+    from qsa_jax.qwen3_8_flash_next.indexer import compress_keys
+
+    def count(fn, *args):
+        return str(jax.make_jaxpr(fn)(*args)).count("reduce_precision")
+
+    bf = jnp.bfloat16
+    x = jnp.ones((1, 8, 2, D), bf)
+    table = jnp.ones((1, 8, R), bf)
+    assert count(lambda a, w: matmul(a, w), jnp.ones((3, M), bf), jnp.ones((M, 4), bf)) == 1
+    assert count(lambda a: rms_norm(a, jnp.zeros(D), 1e-6), x) == 1
+    assert count(apply_rotary, x, table) == 6
+    assert count(lambda k, f: compress_keys(k, f, jnp.zeros(D), ratio=4, step=4, eps=1e-6),
+                 jnp.ones((1, 8, D), bf), table) == 1 + 1 + 6
+    # float32 models round nowhere
+    assert count(lambda a: rms_norm(a, jnp.zeros(D), 1e-6), x.astype(jnp.float32)) == 0
+
+
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_gated_attention_matches_float64(layout):
     import jax

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from qsa_jax.indexer import select_routes
-from qsa_jax.layers import apply_rotary, matmul, rms_norm
+from qsa_jax.layers import apply_rotary, matmul, rms_norm, rounded
 
 from .config import QSAConfig
 
@@ -180,7 +180,7 @@ def compress_keys(raw_key, freqs_cis, k_norm, *, ratio: int, step: int, eps: flo
     total = parts[0]
     for part in parts[1:]:
         total = total + part
-    mean = (total / ratio).astype(raw_key.dtype)
+    mean = rounded(total / ratio, raw_key.dtype).astype(raw_key.dtype)
     return apply_rotary(rms_norm(mean, k_norm, eps)[:, :, None], table)[:, :, 0]
 
 
