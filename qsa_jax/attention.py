@@ -12,38 +12,65 @@ elsewhere.
 int64 routes: pass them as numpy arrays (they are checked on the host, so IDs
 past int32 stay padding). A jax array, or a ``jax.jit`` argument, is already
 int32 unless x64 is enabled: JAX itself wraps huge int64 IDs when converting.
+
+``deterministic=True`` asks for bitwise-reproducible gradients. ``"triton"`` gives them
+(int64 fixed-point dK/dV, ``qsa_triton.fixed_point``); ``"pallas"`` declines (its dK/dV
+are fp32 atomics); ``"xla"`` is deterministic on CPU, while on GPUs the scatter-add of
+its gather's gradient is not unless XLA runs with ``--xla_gpu_deterministic_ops=true``
+or ``--xla_gpu_exclude_nondeterministic_ops=true`` in ``XLA_FLAGS``: without one of
+them (read from the environment at the call; XLA itself reads it once, when its GPU
+backend starts) it declines on GPUs.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .routes import on_gpu, prepare_routes, validate_inputs
 from .xla_reference import reference_sparse_gqa_attention
 
-__all__ = ["sparse_gqa_attention", "IMPLEMENTATIONS", "GPU_DEFAULT"]
+__all__ = ["sparse_gqa_attention", "IMPLEMENTATIONS", "GPU_DEFAULT", "DETERMINISTIC_XLA_FLAGS",
+           "xla_gpu_deterministic"]
 
 
-def _xla(query, key, value, routes, scale, *, block_sizes, interpret):
+# XLA flags under which XLA:GPU's scatter-add (the reference's backward) is deterministic
+DETERMINISTIC_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_exclude_nondeterministic_ops=true")
+
+
+def xla_gpu_deterministic() -> bool:
+    """Whether ``XLA_FLAGS`` (in this process's environment) asks XLA:GPU for
+    deterministic ops."""
+    flags = os.environ.get("XLA_FLAGS", "").lower().split()
+    return any(flag in flags for flag in DETERMINISTIC_XLA_FLAGS)
+
+
+def _xla(query, key, value, routes, scale, *, block_sizes, interpret, deterministic):
     del block_sizes, interpret  # the reference has neither
+    if deterministic and on_gpu(query) and not xla_gpu_deterministic():
+        raise NotImplementedError(
+            "deterministic=True: the reference's backward scatter-adds on the GPU, which XLA makes deterministic "
+            f"only with {' or '.join(DETERMINISTIC_XLA_FLAGS)} in XLA_FLAGS")
     return reference_sparse_gqa_attention(query, key, value, routes, scale)
 
 
-def _pallas(query, key, value, routes, scale, *, block_sizes, interpret):
+def _pallas(query, key, value, routes, scale, *, block_sizes, interpret, deterministic):
     from . import pallas_qsa  # imports the Triton lowering on first use only
 
     return pallas_qsa.pallas_sparse_gqa_attention(
-        query, key, value, routes, scale, block_sizes=block_sizes, interpret=interpret
+        query, key, value, routes, scale, block_sizes=block_sizes, interpret=interpret,
+        deterministic=deterministic,
     )
 
 
-def _triton(query, key, value, routes, scale, *, block_sizes, interpret):
+def _triton(query, key, value, routes, scale, *, block_sizes, interpret, deterministic):
     if interpret:
         raise NotImplementedError("the jax-triton launch has no interpret mode (use implementation='pallas')")
     from . import triton_qsa  # imports jax_triton on first use only
 
-    return triton_qsa.triton_sparse_gqa_attention(query, key, value, routes, scale, block_sizes=block_sizes)
+    return triton_qsa.triton_sparse_gqa_attention(query, key, value, routes, scale, block_sizes=block_sizes,
+                                                  deterministic=deterministic)
 
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"xla": _xla, "pallas": _pallas, "triton": _triton}
@@ -61,6 +88,7 @@ def sparse_gqa_attention(
     implementation: str | Sequence[str] | None = None,
     block_sizes=None,
     interpret: bool | None = None,
+    deterministic: bool = False,
 ):
     """Route-sparse GQA: each query row attends exactly to its routes.
 
@@ -78,6 +106,8 @@ def sparse_gqa_attention(
             given the other class declines with NotImplementedError).
         interpret: run the Pallas kernels in interpret mode (CPU); default: on
             when the inputs do not live on GPUs. ``"triton"`` declines it.
+        deterministic: bitwise-reproducible gradients (dq, dk, dv) from run to run;
+            implementations that cannot promise them decline (module docstring).
 
     Returns:
         ``[B, S_q, Hq, D]`` in query's dtype. Empty rows are exactly zero and
@@ -88,6 +118,8 @@ def sparse_gqa_attention(
         ImportError: every requested implementation lacks its runtime (jax-triton).
         NotImplementedError: no requested implementation accepts the inputs.
     """
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     routes = prepare_routes(selected_token_ids)
     checked = validate_inputs(query, key, value, routes, softmax_scale)
     if implementation is None:
@@ -105,7 +137,7 @@ def sparse_gqa_attention(
         try:
             return IMPLEMENTATIONS[name](
                 query, key, value, routes, checked.scale,
-                block_sizes=block_sizes, interpret=interpret,
+                block_sizes=block_sizes, interpret=interpret, deterministic=deterministic,
             )
         except (NotImplementedError, ImportError) as err:
             reasons.append(f"{name}: {err}")

@@ -249,6 +249,7 @@ def pallas_sparse_gqa_attention(
     *,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
+    deterministic: bool = False,
 ):
     """Route-sparse GQA with the Pallas Triton kernels (forward and custom_vjp backward).
 
@@ -258,12 +259,16 @@ def pallas_sparse_gqa_attention(
     True when the inputs do not live on GPUs. A non-finite K/V row that one row
     of a query tile routes to reaches the other rows of that tile (0 * NaN in
     the P @ V product); rows of other tiles are unaffected. dK/dV are accumulated with
-    fp32 atomics: not bitwise deterministic.
+    fp32 atomics: not bitwise deterministic, so ``deterministic=True`` is declined.
 
     Raises:
         NotImplementedError: f64 inputs, D > 256, S_kv >= 2**27 (use
-            ``implementation="xla"``), or ``block_sizes`` of another class.
+            ``implementation="xla"``), ``block_sizes`` of another class, or
+            ``deterministic=True`` (use ``implementation="triton"``).
     """
+    if deterministic:
+        raise NotImplementedError("deterministic=True needs implementation='triton' (the Pallas backward adds "
+                                  "dK/dV with fp32 atomics, whose order varies from run to run)")
     routes = prepare_routes(selected_token_ids)
     checked = validate_inputs(query, key, value, routes, softmax_scale)
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):

@@ -3,7 +3,9 @@
 The same kernels, tiles, unions and launch configurations as ``qsa_torch.triton_qsa``
 (both are built by ``qsa_triton.plan`` / ``qsa_triton.launch`` from the same shapes and
 the same configuration table), so on one GPU the forward output and LSE equal torch's
-bit for bit; dK/dV come from fp32 atomics in both, whose order varies from run to run.
+bit for bit; dK/dV come from fp32 atomics in both, whose order varies from run to run,
+or, with ``deterministic=True``, from int64 fixed-point sums (``qsa_triton.fixed_point``):
+then all three gradients are bitwise reproducible and equal torch's deterministic ones.
 The algorithm is docs/design-token-gather.md. Differentiable through ``jax.custom_vjp``:
 the forward keeps its output, LSE and route unions for the backward (the backward cuts
 the unions into its own tiles where those are shorter; nothing is sorted twice).
@@ -29,7 +31,7 @@ from . import _triton_call
 from ._triton_call import cut_unions, operand, sorted_unions
 from .routes import gpu_capability, on_gpu, prepare_routes, validate_inputs
 
-__all__ = ["BlockSizes", "build_unions", "forward_with_lse", "plan_for", "triton_sparse_gqa_attention"]
+__all__ = ["BlockSizes", "build_unions", "forward_with_lse", "input_maxima", "plan_for", "triton_sparse_gqa_attention"]
 
 _DTYPES = ("float16", "bfloat16", "float32")
 
@@ -56,41 +58,58 @@ def _forward(q, k, v, routes, scale, plan, launcher):
     return out["O"], out["LSE"], unions
 
 
-def _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher):
+def input_maxima(q, do, v):
+    """MAXIMA of the deterministic backward: f32 ``[3]``, max|q|, max|do| and max|v| over
+    the rows ``[b, j, g, :]`` whose own maximum is finite (``qsa_torch`` computes the same
+    bits: maxima round nothing)."""
+    rows = jnp.max(jnp.abs(v), axis=-1)
+    finite_rows = jnp.where(jnp.isfinite(rows), rows, jnp.zeros_like(rows))
+    return jnp.stack([jnp.max(jnp.abs(q)).astype(jnp.float32), jnp.max(jnp.abs(do)).astype(jnp.float32),
+                      jnp.max(finite_rows).astype(jnp.float32)])
+
+
+def _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher, deterministic):
     union, count, rowbits = unions
     cut = backward_cut(plan, q.shape[1], top_k, plan.rows_per_tile, union.shape[2])
     if cut is not None:
         union, count, rowbits = cut_unions(unions, cut, plan.max_grid_y, launcher)
     launch = spec.backward_launch(plan, operand(q), operand(k), operand(v), operand(out), operand(do),
                                   tuple(union.shape), scale, jnp.dtype(q.dtype).name,
-                                  interpreted=launcher.interpreted)
-    grads = launcher(launch, dict(Q=q, K=k, V=v, O=out, DO=do, LSE=lse, UNION=union, COUNT=count,
-                                  ROWBITS=rowbits))
-    return grads["DQ"], grads["DK"].astype(k.dtype), grads["DV"].astype(v.dtype)
+                                  interpreted=launcher.interpreted, deterministic=deterministic)
+    # MAXIMA is read by the deterministic kernel only (LSE stands in for it otherwise)
+    maxima = input_maxima(q, do, v) if deterministic else lse
+    grads = launcher(launch, dict(Q=q, K=k, V=v, O=out, DO=do, LSE=lse, UNION=union, COUNT=count, ROWBITS=rowbits,
+                                  MAXIMA=maxima))
+    if not deterministic:
+        return grads["DQ"], grads["DK"].astype(k.dtype), grads["DV"].astype(v.dtype)
+    convert = spec.fixed_point_launch(tuple(k.shape), jnp.dtype(k.dtype).name, scale, q.shape[1] * plan.group,
+                                      interpreted=launcher.interpreted)
+    fixed = launcher(convert, dict(DK_FIXED=grads["DK"], DV_FIXED=grads["DV"], MAXIMA=maxima, FLAG=grads["FLAG"]))
+    return grads["DQ"], fixed["DK"], fixed["DV"]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention(q, k, v, routes, scale, plan, top_k, launcher):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attention(q, k, v, routes, scale, plan, top_k, launcher, deterministic):
     return _forward(q, k, v, routes, scale, plan, launcher)[0]
 
 
-def _attention_fwd(q, k, v, routes, scale, plan, top_k, launcher):
+def _attention_fwd(q, k, v, routes, scale, plan, top_k, launcher, deterministic):
     out, lse, unions = _forward(q, k, v, routes, scale, plan, launcher)
     return out, (q, k, v, out, lse, unions)
 
 
-def _attention_bwd(scale, plan, top_k, launcher, residuals, do):
+def _attention_bwd(scale, plan, top_k, launcher, deterministic, residuals, do):
     q, k, v, out, lse, unions = residuals
-    dq, dk, dv = _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher)
+    dq, dk, dv = _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher, deterministic)
     return dq, dk, dv, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "plan", "launcher"))
-def _run(q, k, v, routes, *, scale, plan, launcher):
-    return _attention(q, k, v, routes, scale, plan, routes.shape[2], launcher)
+@functools.partial(jax.jit, static_argnames=("scale", "plan", "launcher", "deterministic"))
+def _run(q, k, v, routes, *, scale, plan, launcher, deterministic):
+    return _attention(q, k, v, routes, scale, plan, routes.shape[2], launcher, deterministic)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "plan", "launcher"))
@@ -137,7 +156,7 @@ def _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes, la
 
 
 def triton_sparse_gqa_attention(query, key, value, selected_token_ids, softmax_scale: float | None = None, *,
-                                block_sizes: BlockSizes | None = None, launcher=None):
+                                block_sizes: BlockSizes | None = None, launcher=None, deterministic: bool = False):
     """Route-sparse GQA with the ``qsa_triton`` kernels (forward and custom_vjp backward).
 
     Args:
@@ -150,11 +169,15 @@ def triton_sparse_gqa_attention(query, key, value, selected_token_ids, softmax_s
             default :func:`plan_for`'s.
         launcher: how kernels are launched (default: ``jax_triton.triton_call``); tests
             inject one that runs the kernels in Triton's interpreter.
+        deterministic: the backward's dK/dV as int64 fixed-point sums (bitwise
+            reproducible, and equal to ``qsa_torch``'s deterministic gradients) instead
+            of fp32 atomics. A non-finite value met by that backward makes all of dK/dV
+            NaN (``qsa_triton.fixed_point``).
 
     Returns:
         ``[B, S_q, Hq, D]`` in query's dtype; rows without routes are exactly 0 and add
-        nothing to any gradient. dK/dV are accumulated with fp32 atomics: not bitwise
-        deterministic.
+        nothing to any gradient. dQ is bitwise reproducible; dK/dV only with
+        ``deterministic``.
 
     Raises:
         TypeError / ValueError: the contract's input checks.
@@ -162,9 +185,11 @@ def triton_sparse_gqa_attention(query, key, value, selected_token_ids, softmax_s
         NotImplementedError: inputs off the GPU, float64, D > 256, other block sizes'
             classes, or sort keys that need int64 without x64 (S_kv * T >= 2**31).
     """
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     routes, scale, plan, launcher = _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes,
                                            launcher)
-    return _run(query, key, value, routes, scale=scale, plan=plan, launcher=launcher)
+    return _run(query, key, value, routes, scale=scale, plan=plan, launcher=launcher, deterministic=deterministic)
 
 
 def forward_with_lse(query, key, value, selected_token_ids, softmax_scale: float | None = None, *,

@@ -20,7 +20,7 @@ from qsa_triton.plan import Plan
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                  "int32": torch.int32, "int64": torch.int64}
 
-# (kernel, plan, dtype, head dim, 32-bit offsets, device) -> the attempt that fit the device
+# (kernel, plan, dtype, head dim, 32-bit offsets, deterministic, device) -> the attempt that fit the device
 _LAUNCH_FALLBACKS: dict[tuple, spec.Attempt] = {}
 
 
@@ -73,7 +73,8 @@ def _run_fitting(build, plan: Plan, backward: bool, arrays, device: torch.device
     options = spec.attempts(plan, backward)
     first = build(options[0])
     params = dict(first.params)
-    key = (first.kernel, plan, first.outputs[0].dtype, params["D"], params["OFFS32"], str(device))
+    key = (first.kernel, plan, first.outputs[0].dtype, params["D"], params["OFFS32"], params.get("DETERMINISTIC"),
+           str(device))
     if key in _LAUNCH_FALLBACKS:
         options = [_LAUNCH_FALLBACKS[key]]
     for i, attempt in enumerate(options):
@@ -107,18 +108,43 @@ def forward(q, k, v, unions, scale: float, plan: Plan):
     return outputs["O"], outputs["LSE"]
 
 
-def backward(q, k, v, out, lse, grad_out, unions, scale: float, plan: Plan):
+def input_maxima(query: torch.Tensor, grad_out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """MAXIMA of the deterministic backward: fp32 ``[3]``, max|query|, max|grad_out| and
+    max|value| over the rows ``[b, j, g, :]`` whose own maximum is finite (NaN/inf if
+    query or grad_out holds one). Maxima round nothing, so these are the bits
+    ``qsa_jax`` computes too. No temporaries of the inputs' size."""
+    def largest(x):
+        lo, hi = torch.aminmax(x)
+        return torch.maximum(-lo, hi).float()
+
+    lo, hi = torch.aminmax(value, dim=-1)
+    rows = torch.maximum(-lo, hi)
+    finite_rows = torch.where(torch.isfinite(rows), rows, torch.zeros_like(rows))
+    return torch.stack([largest(query), largest(grad_out), finite_rows.amax().float()])
+
+
+def backward(q, k, v, out, lse, grad_out, unions, scale: float, plan: Plan, *, deterministic: bool = False):
     """Backward kernel over the backward's unions: dq (q's dtype) and dk, dv (k's dtype)
-    from fp32 atomic accumulators."""
+    from fp32 atomic accumulators, or (``deterministic``) from int64 fixed-point sums
+    converted by ``qsa_triton.fixed_point``'s kernel: bitwise reproducible."""
     interpret = interpreted()
     dtype = dtype_name(q.dtype)
 
     def build(attempt):
         return spec.backward_launch(plan, _operand(q), _operand(k), _operand(v), _operand(out), _operand(grad_out),
                                     tuple(unions.union.shape), scale, dtype, interpreted=interpret,
-                                    attempt=attempt)
+                                    attempt=attempt, deterministic=deterministic)
 
-    arrays = dict(Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse.contiguous(), UNION=unions.union, COUNT=unions.count,
-                  ROWBITS=unions.rowbits)
+    lse = lse.contiguous()
+    # MAXIMA is read by the deterministic kernel only (LSE stands in for it otherwise)
+    maxima = input_maxima(q, grad_out, v) if deterministic else lse
+    arrays = dict(Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, UNION=unions.union, COUNT=unions.count,
+                  ROWBITS=unions.rowbits, MAXIMA=maxima)
     outputs = _run_fitting(build, plan, True, arrays, q.device)
-    return outputs["DQ"], outputs["DK"].to(k.dtype), outputs["DV"].to(v.dtype)
+    if not deterministic:
+        return outputs["DQ"], outputs["DK"].to(k.dtype), outputs["DV"].to(v.dtype)
+    convert = spec.fixed_point_launch(tuple(k.shape), dtype_name(k.dtype), scale, q.shape[1] * plan.group,
+                                      interpreted=interpret)
+    grads = run(convert, dict(DK_FIXED=outputs["DK"], DV_FIXED=outputs["DV"], MAXIMA=maxima, FLAG=outputs["FLAG"]),
+                q.device)
+    return outputs["DQ"], grads["DK"], grads["DV"]

@@ -8,7 +8,8 @@ there are built by two small Triton kernels around a ``torch.sort``. One program
 (tile, KV head, head chunk) then walks that union in chunks of ``block_k`` IDs,
 gathers each K/V row once for all T * heads matrix rows, and runs an fp32 online
 softmax (forward, saving the log-sum-exp) or the fused backward (dQ in registers, dK/dV
-added to fp32 accumulators with one atomic add per union chunk). With ``flatten_heads``
+added to fp32 accumulators with one atomic add per union chunk, or, in deterministic mode,
+to int64 fixed-point sums: bitwise reproducible, ``qsa_triton.fixed_point``). With ``flatten_heads``
 (the default for 16-bit inputs at D > 128 on SM90+ GPUs with the shared memory for it)
 a program takes consecutive (row, head) pairs instead of T rows x padded heads, forward
 and backward alike; otherwise the backward's tiles may be shorter than the forward's,
@@ -18,6 +19,11 @@ Triton is imported on the first call only. CUDA tensors are required, except tha
 tensors are accepted when Triton's interpreter is on (``TRITON_INTERPRET=1`` in the
 environment before this backend's first call), which is how CPU CI runs the kernels.
 Nothing synchronises with the host.
+
+Deterministic mode: ``torch.use_deterministic_algorithms(True)`` selects the fixed-point
+backward, read when the backward runs (the flag's state at that moment counts, as for
+torch's own backward kernels); ``deterministic=True`` / ``False`` asks for one backward
+whatever the flag says.
 
 Module layout: this module is the public API; ``_triton_unions`` builds the unions,
 ``_triton_launch`` launches kernels, ``_triton_autograd`` is the autograd glue.
@@ -34,7 +40,7 @@ from qsa_triton.plan import Plan, make_plan, union_recipe
 from . import _triton_launch
 from ._triton_autograd import TritonQSA
 from ._triton_unions import TileUnions, backward_unions, build_flat_unions, build_tile_unions, build_unions
-from .routes import check_deterministic_backward, validate_inputs
+from .routes import validate_inputs
 
 __all__ = [
     "BlockSizes",
@@ -99,6 +105,7 @@ def triton_sparse_gqa_attention(
     softmax_scale: float | None = None,
     *,
     block_sizes: BlockSizes | None = None,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """Route-sparse GQA with token-gather Triton kernels (forward and backward).
 
@@ -110,24 +117,33 @@ def triton_sparse_gqa_attention(
             anything else is padding and duplicates count once.
         softmax_scale: finite positive scale, default ``1/sqrt(D)``.
         block_sizes: launch configuration, default :func:`default_block_sizes`.
+        deterministic: the backward's dK/dV: True for bitwise-reproducible int64
+            fixed-point sums, False for fp32 atomics (faster, not reproducible), None
+            (default) for ``torch.are_deterministic_algorithms_enabled()`` when the
+            backward runs.
 
     Returns:
         ``[B, S_q, Hq, D]`` in query's dtype. Rows without routes are exactly 0 and
-        add nothing to any gradient. Gradients reach query, key and value; dK/dV
-        are accumulated with fp32 atomics, so they are not bitwise deterministic.
+        add nothing to any gradient. Gradients reach query, key and value; dQ is
+        bitwise reproducible, dK/dV in deterministic mode only. There a non-finite
+        value met by the backward makes all of dK/dV NaN (``qsa_triton.fixed_point``).
 
     Raises:
         TypeError / ValueError: the contract's input checks; ValueError also for D >
-            256 and for CPU tensors unless Triton's interpreter is on.
+            256 and for CPU tensors unless Triton's interpreter is on, TypeError for a
+            ``deterministic`` that is neither a bool nor None.
         ImportError: triton is not installed.
-        RuntimeError: gradients are needed while ``torch.use_deterministic_algorithms``
-            is on (a warning instead in warn-only mode).
     """
     checked, plan = _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes)
-    check_deterministic_backward("triton_qsa", query, key, value)
+    _check_deterministic(deterministic)
     unions = build_unions(selected_token_ids, checked.dims.kv_length, plan)
     return TritonQSA.apply(query, key, value, unions.union, unions.count, unions.rowbits, checked.scale, plan,
-                           selected_token_ids.shape[2])
+                           selected_token_ids.shape[2], deterministic)
+
+
+def _check_deterministic(deterministic) -> None:
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool or None, got {deterministic!r}")
 
 
 # ---------------------------------------------------------------- residual form
@@ -181,13 +197,20 @@ def residual_shapes(query, key, selected_token_ids, *,
 
 
 def backward_from_residuals(grad_out, query, key, value, out, lse, union, count, rowbits,
-                            softmax_scale: float, top_k: int, *, block_sizes: BlockSizes | None = None):
+                            softmax_scale: float, top_k: int, *, block_sizes: BlockSizes | None = None,
+                            deterministic: bool | None = None):
     """``(dq, dk, dv)`` from :func:`forward_with_residuals`'s results (same inputs and
-    block sizes; ``top_k``: K of their ``[B, S_q, K]`` routes)."""
+    block sizes; ``top_k``: K of their ``[B, S_q, K]`` routes). ``deterministic`` as
+    :func:`triton_sparse_gqa_attention`'s: None reads
+    ``torch.are_deterministic_algorithms_enabled()`` now."""
+    _check_deterministic(deterministic)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     plan = _plan(query, key, block_sizes)
     unions = backward_unions(_unions_of(query, key, union, count, rowbits, top_k, plan), plan, top_k,
                              query.shape[1])
-    return _triton_launch.backward(query, key, value, out, lse, grad_out, unions, softmax_scale, plan)
+    return _triton_launch.backward(query, key, value, out, lse, grad_out, unions, softmax_scale, plan,
+                                   deterministic=deterministic)
 
 
 def route_unions(query, key, selected_token_ids, *, block_sizes: BlockSizes | None = None):

@@ -1,10 +1,16 @@
-"""Fused backward kernel: dQ kept in registers (written once), dK/dV by fp32 atomics.
+"""Fused backward kernel: dQ kept in registers (written once), dK/dV by atomics.
 
 Programs are laid out as the forward's (``forward.py``), over the backward's tiles. Each
-union chunk adds its [BLOCK_K, D] dK and dV blocks to fp32 accumulators as soon as they
-are computed (IDs within a chunk are distinct, so a chunk never adds to one address
-twice); the order in which programs add is the GPU's, so dK/dV are not bitwise
-reproducible from run to run.
+union chunk adds its [BLOCK_K, D] dK and dV blocks to accumulators as soon as they are
+computed (IDs within a chunk are distinct, so a chunk never adds to one address twice).
+
+By default the blocks are fp32 and so are the accumulators; the order in which programs
+add is the GPU's, so dK/dV are not bitwise reproducible from run to run. With the
+``DETERMINISTIC`` constexpr the same blocks are added as int64 fixed point
+(``fixed_point.py``: scaled by a power of two from a bound on the gradients, rounded to
+nearest): integer sums do not depend on the order of the adds, so dK/dV are bitwise
+reproducible. Everything else (tiles, unions, the products, dQ) is the default
+backward's; dQ was reproducible already (each (row, head) pair belongs to one program).
 
 Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
 scalars, outputs, then integers and constexprs (by keyword).
@@ -15,14 +21,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .fixed_point import add_fixed, fixed_point_factors
 from .language import LOG2E_C, SUM, cast, gather_chunk, mm, pair_coordinates, program_tile, program_xy
+
+
+@triton.jit
+def _add_block(ptr, block, mask, factor, DETERMINISTIC: tl.constexpr, INTERPRET: tl.constexpr):
+    """Atomically add an fp32 ``block``: as is, or (DETERMINISTIC) times ``factor`` (a
+    power of two) rounded to int64."""
+    if DETERMINISTIC:
+        add_fixed(ptr, block * factor, mask, INTERPRET)
+    else:
+        tl.atomic_add(ptr, block, mask=mask, sem="relaxed")
 
 
 @triton.jit
 def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq, union, rowbits,
                    k_base, v_base, dk_base, dv_base, sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2,
+                   fix_k, fix_v,
                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                   EVEN_D: tl.constexpr, OFFS32: tl.constexpr, LEAN_REGISTERS: tl.constexpr):
+                   EVEN_D: tl.constexpr, OFFS32: tl.constexpr, LEAN_REGISTERS: tl.constexpr,
+                   DETERMINISTIC: tl.constexpr):
     """dQ update and the chunk's dK/dV atomic adds; returns the new dQ (unscaled)."""
     rows, kv_mask, k, v, member = gather_chunk(
         start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s, sv_d, d, d_ok, t, row_ok, BLOCK_K,
@@ -41,23 +60,23 @@ def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
         acc_off_t = rows[None, :] * sdk_s + d[:, None]
         kv_mask_t = tl.trans(kv_mask)
         dv_t = mm(tl.trans(do), cast(p, do.dtype, INTERPRET), IEEE)
-        tl.atomic_add(dv_base + acc_off_t, dv_t, mask=kv_mask_t, sem="relaxed")
+        _add_block(dv_base + acc_off_t, dv_t, kv_mask_t, fix_v, DETERMINISTIC, INTERPRET)
         dk_t = mm(tl.trans(q), cast(ds, q.dtype, INTERPRET), IEEE) * scale
-        tl.atomic_add(dk_base + acc_off_t, dk_t, mask=kv_mask_t, sem="relaxed")
+        _add_block(dk_base + acc_off_t, dk_t, kv_mask_t, fix_k, DETERMINISTIC, INTERPRET)
     else:
         acc_off = rows[:, None] * sdk_s + d[None, :]
         dv_blk = mm(tl.trans(cast(p, do.dtype, INTERPRET)), do, IEEE)
-        tl.atomic_add(dv_base + acc_off, dv_blk, mask=kv_mask, sem="relaxed")
+        _add_block(dv_base + acc_off, dv_blk, kv_mask, fix_v, DETERMINISTIC, INTERPRET)
         dk_blk = mm(tl.trans(cast(ds, q.dtype, INTERPRET)), q, IEEE) * scale
-        tl.atomic_add(dk_base + acc_off, dk_blk, mask=kv_mask, sem="relaxed")
+        _add_block(dk_base + acc_off, dk_blk, kv_mask, fix_k, DETERMINISTIC, INTERPRET)
     return dq
 
 
 @triton.jit
 def qsa_backward_kernel(
-    Q, K, V, O, DO, LSE, UNION, COUNT, ROWBITS,
+    Q, K, V, O, DO, LSE, UNION, COUNT, ROWBITS, MAXIMA,
     scale, scale_log2,
-    DQ, DK, DV,
+    DQ, DK, DV, FLAG,
     sq_b, sq_s, sq_h, sq_d,
     sk_b, sk_s, sk_h, sk_d,
     sv_b, sv_s, sv_h, sv_d,
@@ -66,18 +85,27 @@ def qsa_backward_kernel(
     sl_b, sl_h, sl_s,
     sdq_b, sdq_s, sdq_h, sdq_d,
     sdk_b, sdk_s, sdk_h,
-    B, S_q, N_TILES, UNION_WIDTH, HKV, G, D, N_CHUNKS,
+    B, S_q, N_TILES, UNION_WIDTH, HKV, G, D, N_CHUNKS, BOUND_K, BOUND_V,
     T: tl.constexpr, HB: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, INTERPRET: tl.constexpr, FLAT: tl.constexpr, EVEN_D: tl.constexpr,
-    OFFS32: tl.constexpr, LEAN_REGISTERS: tl.constexpr, FOLD: tl.constexpr,
+    OFFS32: tl.constexpr, LEAN_REGISTERS: tl.constexpr, FOLD: tl.constexpr, DETERMINISTIC: tl.constexpr,
 ):
-    """Writes DQ (Q's dtype) and adds into DK/DV, fp32 [B, S_kv, Hkv, D] accumulators
-    (last stride 1, DV with DK's strides) that must be zero on entry.
+    """Writes DQ (Q's dtype) and adds into DK/DV, [B, S_kv, Hkv, D] accumulators (last
+    stride 1, DV with DK's strides) that must be zero on entry: fp32, or with
+    DETERMINISTIC int64 fixed-point sums (held in any 32-bit-word buffer of that many
+    bytes; the strides count int64 elements).
 
     O and LSE are the forward's; DO the output's gradient; the unions those of the
     backward's tiles. ``scale`` is the softmax scale and ``scale_log2`` = scale * log2(e),
     both fp32. ``LEAN_REGISTERS``: the same results with less register pressure
     (transposed dK/dV products, dQ-store coordinates recomputed after the loop).
+
+    Read or written only with DETERMINISTIC (``fixed_point.py``): MAXIMA (fp32 [3]: max|Q|,
+    max|dO|, max|V| over V rows with a finite maximum) and BOUND_K / BOUND_V
+    (``qsa_triton.launch.fixed_point_bounds``), which fix the scales, and FLAG (int32
+    [1], zero on entry), set where a program's dQ is non-finite;
+    :func:`qsa_triton.fixed_point.fixed_point_kernel` converts the sums with the same
+    MAXIMA and bounds.
     """
     tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask, count = program_tile(
         COUNT, B, S_q, N_TILES, HKV, G, D, N_CHUNKS, HB, T, D_PAD, FLAT, FOLD)
@@ -95,8 +123,15 @@ def qsa_backward_kernel(
     tile_base = (b64 * N_TILES + tile) * UNION_WIDTH
     k_base = K + b64 * sk_b + g64 * sk_h
     v_base = V + b64 * sv_b + g64 * sv_h
-    dk_base = DK + b64 * sdk_b + g64 * sdk_h
-    dv_base = DV + b64 * sdk_b + g64 * sdk_h
+    if DETERMINISTIC:
+        # int64 accumulators (in any 32-bit-word buffer: JAX has no int64 without x64)
+        fix_k, fix_v = fixed_point_factors(MAXIMA, BOUND_K, BOUND_V)
+        dk_base = DK.to(tl.pointer_type(tl.int64)) + b64 * sdk_b + g64 * sdk_h
+        dv_base = DV.to(tl.pointer_type(tl.int64)) + b64 * sdk_b + g64 * sdk_h
+    else:
+        fix_k, fix_v = 1.0, 1.0
+        dk_base = DK + b64 * sdk_b + g64 * sdk_h
+        dv_base = DV + b64 * sdk_b + g64 * sdk_h
 
     dq = tl.full([T * HB, D_PAD], 0.0, tl.float32)
     if INTERPRET:
@@ -105,8 +140,8 @@ def qsa_backward_kernel(
             dq = _backward_step(
                 start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
                 UNION + tile_base, ROWBITS + tile_base, k_base, v_base, dk_base, dv_base,
-                sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, BLOCK_K, IEEE, INTERPRET,
-                EVEN_D, OFFS32, LEAN_REGISTERS)
+                sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, fix_k, fix_v, BLOCK_K, IEEE, INTERPRET,
+                EVEN_D, OFFS32, LEAN_REGISTERS, DETERMINISTIC)
             start += BLOCK_K
     else:
         # Ascending IDs in every program: programs of neighbouring tiles run together over
@@ -115,8 +150,16 @@ def qsa_backward_kernel(
             dq = _backward_step(
                 start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
                 UNION + tile_base, ROWBITS + tile_base, k_base, v_base, dk_base, dv_base,
-                sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, BLOCK_K, IEEE, INTERPRET,
-                EVEN_D, OFFS32, LEAN_REGISTERS)
+                sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, fix_k, fix_v, BLOCK_K, IEEE, INTERPRET,
+                EVEN_D, OFFS32, LEAN_REGISTERS, DETERMINISTIC)
+
+    if DETERMINISTIC:
+        # a non-finite P or dS of this program reaches its dQ (dQ += dS K; 0 * inf is NaN
+        # too), and may have reached its dK/dV contributions, which the rounding to int64
+        # cannot carry: FLAG makes the conversion write NaN (fixed_point.py)
+        poisoned = tl.reduce(dq * 0.0, 1, SUM)
+        tl.store(FLAG + tl.full([T * HB], 0, tl.int32), tl.full([T * HB], 1, tl.int32),
+                 mask=poisoned != poisoned)
 
     if LEAN_REGISTERS:
         # the store's per-row coordinates again, from a tile the compiler cannot prove
@@ -130,3 +173,5 @@ def qsa_backward_kernel(
         io_mask = row_ok[:, None] & d_ok[None, :]
     dq_ptr = DQ + b64 * sdq_b + row64[:, None] * sdq_s + head[:, None] * sdq_h + d[None, :] * sdq_d
     tl.store(dq_ptr, cast(dq * scale, DQ.dtype.element_ty, INTERPRET), mask=io_mask)
+
+

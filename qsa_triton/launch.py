@@ -18,19 +18,22 @@ imports triton and the kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
 from .plan import CutStep, Plan, SortStep, fold_grid, offsets_fit_int32
 
 __all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES",
-           "LOG2E", "fp32", "contiguous_strides", "attempts", "forward_launch", "backward_launch",
-           "keys_launch", "merge_launch", "cut_launch", "kernel", "interpreted"]
+           "LOG2E", "FIXED_POINT_BLOCK", "fp32", "contiguous_strides", "attempts", "forward_launch",
+           "backward_launch", "fixed_point_bounds", "fixed_point_launch", "keys_launch", "merge_launch",
+           "cut_launch", "kernel", "interpreted"]
 
 LOG2E = 1.4426950408889634
 UNION_BLOCK = 1024  # keys (IDs) per step of the union kernels
 # the union kernels' launch options: Triton's defaults on CUDA, stated once for both launchers
 UNION_WARPS, UNION_STAGES = 4, 3
+FIXED_POINT_BLOCK = 1024  # elements per program of the fixed-point conversion
 
 Operand = tuple[tuple[int, ...], tuple[int, ...]]  # (shape, per-element strides)
 
@@ -158,10 +161,19 @@ def forward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: 
 
 def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
                     union_shape: tuple[int, int, int], scale: float, dtype: str, *, interpreted: bool,
-                    attempt: Attempt | None = None) -> Launch:
+                    attempt: Attempt | None = None, deterministic: bool = False) -> Launch:
     """The backward kernel over the backward's unions (``union_shape``); ``o`` is the
     forward's output and ``do`` its gradient, LSE the forward's (row-major). Outputs: DQ
-    like q in ``dtype``, DK and DV fp32 ``[B, S_kv, Hkv, D]`` accumulators (zeroed)."""
+    like q in ``dtype``, DK and DV fp32 ``[B, S_kv, Hkv, D]`` accumulators (zeroed), and
+    FLAG (int32 ``[1]``, zeroed; written only when deterministic).
+
+    Inputs also name MAXIMA, which only the deterministic kernel reads: fp32 ``[3]``,
+    max|Q|, max|dO|, and max|V| over the V rows whose maximum is finite (the launchers
+    pass LSE in its place otherwise). ``deterministic``: the bitwise-reproducible kernel
+    (``qsa_triton.fixed_point``): DK and DV are int64 ``[B, S_kv, Hkv, D]`` sums,
+    allocated as int32 ``[B, S_kv, Hkv, D, 2]``, the integers BOUND_K / BOUND_V come from
+    :func:`fixed_point_bounds`, LEAN_REGISTERS is always on; :func:`fixed_point_launch`
+    converts the sums."""
     (bsz, s_q, hq, d), (_, s_kv, hkv, _) = q[0], k[0]
     grid, fold, ints, constexprs, attempt = _kernel_shape(plan, q, k, union_shape, True, dtype, interpreted,
                                                           attempt)
@@ -172,14 +184,61 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
                + _strides("sl_", contiguous_strides((bsz, hq, s_q)), _BHS)
                + _strides("sdq_", contiguous_strides(dq_shape), _BSHD) + _strides("sdk_", dk_strides, _BSH))
     offs32 = offsets_fit_int32(_kv_extents(k, v, (dk_shape, dk_strides)), plan.offset_limit)
+    if deterministic:
+        bounds = fixed_point_bounds(scale, s_q * plan.group, d)
+        accumulators = (Output("DK", dk_shape + (2,), "int32", zeroed=True),
+                        Output("DV", dk_shape + (2,), "int32", zeroed=True))
+    else:
+        bounds = (0, 0)
+        accumulators = (Output("DK", dk_shape, "float32", zeroed=True), Output("DV", dk_shape, "float32", zeroed=True))
+    # the deterministic kernel always takes the transposed dK/dV products: its int64 adds
+    # leave the [D, BLOCK_K] blocks in the wgmma layout, where a warp's adds cover 8
+    # consecutive lanes of D per key (qsa_triton.fixed_point.add_fixed)
+    tail = [("OFFS32", offs32), ("LEAN_REGISTERS", plan.blocks.lean_backward or deterministic), ("FOLD", fold),
+            ("DETERMINISTIC", deterministic)]
     return Launch(
-        "backward", grid, ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS"),
+        "backward", grid, ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS", "MAXIMA"),
         (("scale", fp32(scale)), ("scale_log2", fp32(scale * LOG2E))),
-        (Output("DQ", dq_shape, dtype), Output("DK", dk_shape, "float32", zeroed=True),
-         Output("DV", dk_shape, "float32", zeroed=True)),
-        tuple(strides + ints + constexprs + [("OFFS32", offs32), ("LEAN_REGISTERS", plan.blocks.lean_backward),
-                                             ("FOLD", fold)]),
+        (Output("DQ", dq_shape, dtype), *accumulators, Output("FLAG", (1,), "int32", zeroed=True)),
+        tuple(strides + ints + [("BOUND_K", bounds[0]), ("BOUND_V", bounds[1])] + constexprs + tail),
         plan.blocks.backward_num_warps, attempt.stages)
+
+
+def _ceil_log2(x: Fraction) -> int:
+    """The smallest integer k with ``x <= 2**k`` (exact; ``x`` > 0)."""
+    num, den = x.numerator, x.denominator
+    k = num.bit_length() - den.bit_length()  # 2**(k-1) < x < 2**(k+1)
+    fits = num <= den << k if k >= 0 else num << -k <= den
+    return k if fits else k + 1
+
+
+def fixed_point_bounds(scale: float, n_pairs: int, head_dim: int) -> tuple[int, int]:
+    """``(BOUND_K, BOUND_V)``: the static parts of the deterministic backward's gradient
+    bounds (``qsa_triton.fixed_point``), exactly: ceil(log2(2 * scale * N * D)) and
+    ceil(log2 N), for the fp32-rounded ``scale`` the kernels get and N = ``n_pairs``
+    (row, head) pairs per batch row and KV head (S_q * G)."""
+    with np.errstate(over="ignore"):  # a scale past fp32's range is refused below
+        scale32 = fp32(scale)
+    if n_pairs < 1 or head_dim < 1 or not 0 < scale32 < float("inf"):
+        raise ValueError("the deterministic backward needs positive sizes and a scale that is positive and "
+                         f"finite in fp32, got N = {n_pairs}, D = {head_dim}, scale = {scale!r}")
+    return _ceil_log2(Fraction(scale32) * 2 * n_pairs * head_dim), _ceil_log2(Fraction(n_pairs))
+
+
+def fixed_point_launch(kv_shape: tuple[int, ...], dtype: str, scale: float, n_pairs: int, *,
+                       interpreted: bool) -> Launch:
+    """The conversion of the deterministic backward's int64 sums DK_FIXED / DV_FIXED (as
+    it wrote them) to DK, DV ``kv_shape`` = ``[B, S_kv, Hkv, D]`` in ``dtype``, row-major,
+    written in full; MAXIMA and FLAG are the backward's, ``scale`` and ``n_pairs`` its
+    :func:`fixed_point_bounds` arguments."""
+    n = int(np.prod(kv_shape))
+    bound_k, bound_v = fixed_point_bounds(scale, n_pairs, kv_shape[3])
+    return Launch(
+        "fixed_point", (-(-n // FIXED_POINT_BLOCK),), ("DK_FIXED", "DV_FIXED", "MAXIMA", "FLAG"), (),
+        (Output("DK", tuple(kv_shape), dtype), Output("DV", tuple(kv_shape), dtype)),
+        (("n", n), ("BOUND_K", bound_k), ("BOUND_V", bound_v), ("BLOCK", FIXED_POINT_BLOCK),
+         ("INTERPRET", interpreted)),
+        UNION_WARPS, UNION_STAGES)
 
 
 # ------------------------------------------------------------------------ unions
@@ -233,6 +292,7 @@ def cut_launch(step: CutStep, parent_shape: tuple[int, int, int], max_grid_y: in
 
 # ----------------------------------------------------------------------- kernels
 _MODULES = {"forward": ("forward", "qsa_forward_kernel"), "backward": ("backward", "qsa_backward_kernel"),
+            "fixed_point": ("fixed_point", "fixed_point_kernel"),
             "union_keys": ("union_keys", "union_keys_kernel"), "union_merge": ("union_merge", "union_merge_kernel"),
             "union_cut": ("union_cut", "union_cut_kernel")}
 

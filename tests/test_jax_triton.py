@@ -166,6 +166,95 @@ def test_forward_and_lse_equal_torch_bit_for_bit(heads, blocks):
     np.testing.assert_array_equal(np.asarray(lse), t_lse.cpu().numpy())
 
 
+@pytest.mark.parametrize("layout, heads, blocks", [
+    ("cp", (12, 1), BlockSizes(block_m=32, block_k=16, backward_block_k=16, flatten_heads=True)),
+    ("padded", (6, 2), SMALL),
+])
+def test_deterministic_gradients_equal_torch_bit_for_bit(layout, heads, blocks):
+    """``deterministic=True`` under ``jax.jit(jax.grad(...))``: the float64 oracle's
+    gradients, the same bits on a second run, and the same bits as torch's deterministic
+    backward (same kernels, launches and maxima; integer sums), here in the interpreter."""
+    rng = _fresh_rng()
+    problem = make_problem(layout, "adversarial", seed=int(rng.integers(2**31)), seq_len=20, width=6)
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, heads, 16, "bfloat16")
+    scale = 0.77 * 16**-0.5
+
+    def loss(q_, k_, v_):  # int64 numpy routes (huge IDs included), checked on the host
+        out = attention(q_, k_, v_, problem.routes, scale, block_sizes=blocks, deterministic=True)
+        return jnp.sum(out.astype(jnp.float32) * do)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    runs = [[np.asarray(g).view(np.uint16) for g in grad(*args)] for _ in range(2)]
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    want = oracle_forward_backward(q, k, v, problem.routes, scale, do)
+    for name, g, w in zip(("dq", "dk", "dv"), runs[0], want[1:]):
+        err = relative_error(g.view(jnp.bfloat16).astype(np.float64), w)
+        assert err < TOLERANCE["bfloat16"], name
+
+    from qsa_torch import triton_qsa as tt
+
+    leaves = [torch.tensor(x, dtype=torch.bfloat16, device=DEVICE, requires_grad=True) for x in (q, k, v)]
+    out = tt.triton_sparse_gqa_attention(*leaves, torch.from_numpy(problem.routes).to(DEVICE), scale,
+                                         block_sizes=blocks, deterministic=True)
+    out.backward(torch.tensor(do, dtype=torch.bfloat16, device=DEVICE))
+    for name, g, t in zip(("dq", "dk", "dv"), runs[0], leaves):
+        np.testing.assert_array_equal(g, t.grad.cpu().view(torch.uint16).numpy(), err_msg=name)
+
+
+def test_deterministic_input_maxima_match_torch():
+    """MAXIMA (max|q|, max|do|, max|v| over finite rows) are the same fp32 bits in both
+    frameworks: a NaN/inf V row is skipped, a NaN in q or do propagates."""
+    from qsa_torch import _triton_launch
+
+    rng = _fresh_rng()
+    q, do = (rng.standard_normal((1, 5, 4, 8)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((1, 6, 2, 8)).astype(np.float32)
+    v[0, 2, 1, 3], v[0, 4, 0, 0] = np.inf, np.nan
+    q[0, 1, 2, 3] = -1e30
+    for do_case in (do, np.where(np.arange(8) == 5, np.nan, do).astype(np.float32)):
+        got = np.asarray(jt.input_maxima(*(jnp.asarray(x, jnp.bfloat16) for x in (q, do_case, v))))
+        want = _triton_launch.input_maxima(*(torch.tensor(x, dtype=torch.bfloat16) for x in (q, do_case, v)))
+        np.testing.assert_array_equal(got.view(np.uint32), want.numpy().view(np.uint32))
+        assert got[0] == np.float32(torch.tensor(-1e30, dtype=torch.bfloat16).abs().item())
+        assert np.isfinite(got[2]) and (np.isnan(got[1]) == bool(np.isnan(do_case).any()))
+
+
+def test_deterministic_dispatch(monkeypatch):
+    """``qsa_jax.sparse_gqa_attention(deterministic=True)``: "triton" passes it on, "pallas"
+    declines (so a sequence falls through), "xla" runs on CPU and, on GPUs, only with
+    XLA's deterministic-ops flag in XLA_FLAGS."""
+    from qsa_jax import attention as dispatch
+    from qsa_jax import pallas_qsa, sparse_gqa_attention
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 6, 2, 16)), jnp.float32)
+    routes = np.array([[[0, 1], [1, -1], [2, 0], [3, 5], [-1, -1], [4, 2]]])
+    seen = []
+    monkeypatch.setattr(jt, "triton_sparse_gqa_attention",
+                        lambda *a, deterministic, **kw: seen.append(deterministic) or a[0])
+    sparse_gqa_attention(x, x, x, routes, implementation="triton", deterministic=True)
+    assert seen == [True]
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        sparse_gqa_attention(x, x, x, routes, implementation="pallas", deterministic=True)
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        pallas_qsa.pallas_sparse_gqa_attention(x, x, x, routes, deterministic=True)
+    want = sparse_gqa_attention(x, x, x, routes, implementation="xla")
+    got = sparse_gqa_attention(x, x, x, routes, implementation=("pallas", "xla"), deterministic=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(TypeError, match="deterministic"):
+        sparse_gqa_attention(x, x, x, routes, deterministic=None)
+
+    monkeypatch.setattr(dispatch, "on_gpu", lambda _: True)  # as if x lived on a GPU
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    with pytest.raises(NotImplementedError, match="xla_gpu_deterministic_ops"):
+        sparse_gqa_attention(x, x, x, routes, implementation="xla", deterministic=True)
+    sparse_gqa_attention(x, x, x, routes, implementation="xla")  # not asked: runs
+    for flag in dispatch.DETERMINISTIC_XLA_FLAGS:
+        monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=4 {flag}")
+        sparse_gqa_attention(x, x, x, routes, implementation="xla", deterministic=True)
+
+
 @pytest.mark.parametrize("group, pairs", [(12, 32), (3, 64), (1, 0), (3, 0)])
 def test_unions_equal_torch_and_the_oracle(group, pairs):
     """JAX-built unions (padded tiles, flat programs cut from tiles, flat programs
@@ -322,20 +411,26 @@ from qsa_triton import launch as spec
 from qsa_triton.plan import union_recipe
 
 PTR = {"float32": "*fp32", "bfloat16": "*bf16", "int32": "*i32"}
+TYPES = dict(Q="bfloat16", K="bfloat16", V="bfloat16", O="bfloat16", DO="bfloat16", LSE="float32",
+             UNION="int32", COUNT="int32", ROWBITS="int32", MAXIMA="float32")
 plan = make_plan(12, 256, DEFAULT_BLOCK_SIZES)
 q = ((1, 512, 24, 256), spec.contiguous_strides((1, 512, 24, 256)))
 kv = ((1, 512, 2, 256), spec.contiguous_strides((1, 512, 2, 256)))
 step, cut = union_recipe(plan, 512, 2052, 512)
-launch = spec.forward_launch(plan, q, kv, kv, (1, cut.n_sub, cut.width), 0.0625, "bfloat16", interpreted=False)
-fn = spec.kernel("forward")
-types = dict(Q="bfloat16", K="bfloat16", V="bfloat16", UNION="int32", COUNT="int32", ROWBITS="int32")
-params = dict(launch.params)
+unions = (1, cut.n_sub, cut.width)
+LAUNCHES = {
+    "forward": spec.forward_launch(plan, q, kv, kv, unions, 0.0625, "bfloat16", interpreted=False),
+    "backward (deterministic)": spec.backward_launch(plan, q, kv, kv, q, q, unions, 0.0625, "bfloat16",
+                                                   interpreted=False, deterministic=True),
+}
 
 
-def float_ops(jax_triton):
-    """Compile for sm_90a as each launcher specialises it: torch's JIT (runtime integers, 1
-    as a constant, multiples of 16 marked divisible), jax-triton (integers as constants)."""
-    sig = {n: PTR[types[n]] for n in launch.inputs}
+def compile_ptx(launch, jax_triton):
+    # compiled for sm_90a as each launcher specialises it: torch's JIT (runtime integers, 1
+    # as a constant, multiples of 16 marked divisible), jax-triton (integers as constants)
+    fn = spec.kernel(launch.kernel)
+    params = dict(launch.params)
+    sig = {n: PTR[TYPES[n]] for n in launch.inputs}
     sig.update({n: "fp32" for n, _ in launch.scalars})
     sig.update({o.name: PTR[o.dtype] for o in launch.outputs})
     constexprs = {}
@@ -349,8 +444,12 @@ def float_ops(jax_triton):
     kernel = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    return kernel.asm["ptx"], kernel.asm["ttgir"]
+
+
+def float_ops(ptx):
     ops = []
-    for line in kernel.asm["ptx"].splitlines():
+    for line in ptx.splitlines():
         m = re.match(r"\s*(?:@%p\d+\s+)?([a-z][\w.]*)", line)
         if m and not m.group(1).startswith(("ld", "st", "mov", "cvt.u", "cvt.s")) and any(
                 t in m.group(1) for t in (".f32", ".bf16", "wgmma", "mma", "ex2", "lg2", "rcp")):
@@ -358,18 +457,45 @@ def float_ops(jax_triton):
     return ops
 
 
-torch_ops, jax_ops = float_ops(False), float_ops(True)
-assert any("wgmma" in op for op in torch_ops), torch_ops[:20]
-assert torch_ops == jax_ops, (len(torch_ops), len(jax_ops))
-print("SAME", len(torch_ops))
+def float_ir(ttgir):
+    # the floating-point ops of the TTGIR in program order, with their result layouts
+    # (which fix each reduction's and dot's order of accumulation), SSA names dropped
+    ops = []
+    for line in ttgir.splitlines():
+        m = re.search(r"= ((?:arith|math)\.\w+f\b|arith\.(?:truncf|extf|sitofp|fptosi)|math\.\w+|"
+                      r"ttng\.warp_group_dot|tt\.dot|tt\.reduce|tt\.elementwise_inline_asm)[^:]*:(.*)", line)
+        if m:
+            ops.append(m.group(1) + re.sub(r"%[\w#]+|loc\(.*", "", m.group(2)))
+    return ops
+
+
+for name, launch in LAUNCHES.items():
+    (torch_ptx, torch_ir), (jax_ptx, jax_ir) = compile_ptx(launch, False), compile_ptx(launch, True)
+    torch_ops, jax_ops = float_ops(torch_ptx), float_ops(jax_ptx)
+    assert any("wgmma" in op for op in torch_ops), (name, torch_ops[:20])
+    ir = float_ir(torch_ir)
+    assert any("warp_group_dot" in op for op in ir) and ir == float_ir(jax_ir), name
+    if name == "forward":  # the same instructions in the same order
+        assert torch_ops == jax_ops, (name, len(torch_ops), len(jax_ops))
+    else:  # ptxas schedules independent instructions apart; the same ones
+        assert sorted(torch_ops) == sorted(jax_ops), (name, len(torch_ops), len(jax_ops))
+    if name == "backward (deterministic)":
+        for ptx in (torch_ptx, jax_ptx):  # int64 fixed point, rounded to nearest; no fp32 atomics
+            assert "cvt.rni.s64.f32" in ptx and "red.global.gpu.relaxed.add.u64" in ptx
+            assert not re.search(r"(red|atom)[.\w]*\.f32", ptx)
+    print("SAME", name, len(torch_ops))
 '''
 
 
-def test_forward_compiles_to_the_same_float_instructions_for_both_launchers():
-    """The tuned forward (sm_90a, D=256, bf16) compiled as torch's JIT specialises it and
-    as jax-triton does (integers as constants): the same floating-point instructions in
-    the same order, so the two launches compute the same bits (compiled on this CPU; the
-    GPU check is scripts/gpu/check_jax_triton.py)."""
+def test_kernels_compile_to_the_same_float_instructions_for_both_launchers():
+    """The tuned forward and the deterministic backward (sm_90a, D=256, bf16) compiled as
+    torch's JIT specialises them and as jax-triton does (integers as constants): the same
+    floating-point ops with the same layouts in the TTGIR, and the same floating-point
+    PTX instructions (in the same order for the forward; the backward's prologue is
+    scheduled differently), so the two launches compute the same bits (compiled on this
+    CPU; the GPU checks are scripts/gpu/check_jax_triton.py and the gpu test of
+    tests/test_triton_deterministic.py). The deterministic backward adds int64 sums
+    (round to nearest, then red.global.add.u64), no fp32 atomics."""
     import subprocess
 
     pytest.importorskip("triton")
@@ -378,4 +504,4 @@ def test_forward_compiles_to_the_same_float_instructions_for_both_launchers():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower()):
         pytest.skip(f"Triton cannot compile for sm_90a here: {proc.stderr[-300:]}")
-    assert proc.returncode == 0 and "SAME" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and proc.stdout.count("SAME") == 2, proc.stderr[-3000:]

@@ -1,16 +1,24 @@
-"""The KV-owning deterministic dK/dV backward (qsa_triton.kv_backward) and its inverse
-route index, against the float64 oracle and brute force.
+"""The Triton backend's deterministic backwards, against the float64 oracle.
+
+Two designs, kept apart so that the one the GPU timing rejects can be deleted whole:
+
+* **Fixed point** (first section): the fused backward with int64 fixed-point dK/dV
+  atomics (``qsa_triton.fixed_point``), the backend's deterministic mode
+  (``deterministic=True``, or ``torch.use_deterministic_algorithms``).
+* **KV-owning** (second section): ``qsa_triton.kv_backward``, dK/dV from key-block
+  programs over an inverse route index, no atomics (a standalone function, not wired
+  into the backend).
 
 Without a CUDA GPU the kernels run in Triton's interpreter on CPU tensors (this module
-sets TRITON_INTERPRET=1 before triton is first imported, as test_triton_qsa does). The
-forward's LSE and output come from float64 numpy here, rounded as a kernel would hand
-them over, except in the test that chains the Triton forward. Shapes are tiny.
+sets TRITON_INTERPRET=1 before triton is first imported, as test_triton_qsa does).
+Shapes are tiny.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -19,18 +27,25 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from contract_base import TOLERANCE, random_inputs  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from contract_base import TOLERANCE, BackendContract, UnroutedRowsIsolated, random_inputs  # noqa: E402
+from runners import run_torch  # noqa: E402
 from qsa_common.generators import adversarial_routes, qsa_format_routes, random_routes  # noqa: E402
 from qsa_common.layouts import make_problem  # noqa: E402
 from qsa_common.oracle import membership, oracle_forward_backward, relative_error  # noqa: E402
 from qsa_torch import _triton_deterministic as det  # noqa: E402
-from qsa_torch import _triton_launch  # noqa: E402
+from qsa_torch import _triton_launch, triton_qsa  # noqa: E402
 from qsa_torch._triton_deterministic import (  # noqa: E402
     KVBlockSizes,
     attention_delta,
     build_inverse_index,
     deterministic_dk_dv,
 )
+from qsa_triton import launch as spec  # noqa: E402
+from qsa_triton.config import BlockSizes  # noqa: E402
+from qsa_triton.fixed_point import fixed_point_exponents  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,6 +65,409 @@ def test_kernels_run_here():
     assert interpreted or DEVICE == "cuda", "kernels were compiled, not interpreted, on a CPU machine"
 
 
+@contextlib.contextmanager
+def deterministic_algorithms(warn_only: bool = False):
+    """torch.use_deterministic_algorithms(True) for the block (restoring the previous mode):
+    what selects the fixed-point backward; none of the torch ops either design uses may
+    refuse to run under it."""
+    before = torch.are_deterministic_algorithms_enabled()
+    before_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=before_warn)
+
+
+# =========================================================================================
+# Fixed point: the fused backward with int64 dK/dV sums (qsa_triton.fixed_point)
+# =========================================================================================
+# padded tiles of 16 pairs and 16-ID chunks: every program walks several chunks
+FP_SMALL = BlockSizes(block_m=16, block_k=16, num_warps=1, num_stages=1, backward_block_m=16,
+                      backward_block_k=16, backward_num_warps=1, backward_num_stages=1)
+# flat programs of 32 (row, head) pairs (G = 3, 12: no padded heads)
+FP_FLAT = BlockSizes(block_m=32, block_k=16, num_warps=2, num_stages=1, backward_block_m=32,
+                     backward_block_k=16, backward_num_warps=2, backward_num_stages=1, flatten_heads=True)
+
+
+@pytest.fixture
+def poisoned_launch(monkeypatch):
+    """Outputs the kernels write (DQ, the converted dK/dV) start as NaN: an element left
+    unwritten fails the comparison."""
+    def buffer(shape, dtype, device):
+        fill = float("nan") if dtype.is_floating_point else -77777
+        return torch.full(tuple(shape), fill, dtype=dtype, device=device)
+
+    monkeypatch.setattr(_triton_launch, "new_buffer", buffer)
+
+
+def _fixed_point(blocks):
+    def fn(q, k, v, routes, scale):
+        return triton_qsa.triton_sparse_gqa_attention(q, k, v, routes, scale, block_sizes=blocks, deterministic=True)
+    return fn
+
+
+def _grads(q, k, v, routes, scale, do, dtype, blocks, deterministic=True):
+    """out, dq, dk, dv as torch tensors (the raw bits, for bitwise comparisons)."""
+    tdtype = TORCH_DTYPES[dtype]
+    leaves = [torch.tensor(x, dtype=tdtype, device=DEVICE, requires_grad=True) for x in (q, k, v)]
+    out = triton_qsa.triton_sparse_gqa_attention(*leaves, torch.from_numpy(routes).to(DEVICE), scale,
+                                                 block_sizes=blocks, deterministic=deterministic)
+    out.backward(torch.tensor(do, dtype=tdtype, device=DEVICE))
+    return (out.detach(), *(x.grad for x in leaves))
+
+
+def _assert_oracle(got, want, dtype, label=""):
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        err = relative_error(g.double().cpu().numpy(), w)
+        assert err < TOLERANCE[dtype], f"{label} {name}: relative error {err:.3e} ({dtype})"
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits (NaNs included)."""
+    bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a.view(bits), b.view(bits))
+
+
+class TestFixedPointContract(UnroutedRowsIsolated, BackendContract):
+    """The contract matrix through the deterministic backward (G = 3: padded heads)."""
+
+    heads = ((3, 1),)
+    dtypes = ("float32",)
+    seq_len = 24
+
+    def run(self, q, k, v, routes, scale, grad_out, dtype):
+        return run_torch(_fixed_point(FP_SMALL), q, k, v, routes, scale, grad_out, dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("layout,family,heads,dtype,blocks", [
+    ("padded", "qsa", (12, 1), "bfloat16", FP_FLAT),
+    ("packed", "adversarial", (3, 1), "bfloat16", FP_FLAT),
+    ("cp", "random", (2, 2), "float32", FP_SMALL),
+    ("cp", "qsa", (12, 1), "float32", FP_FLAT),
+    ("packed", "random", (6, 2), "bfloat16", FP_SMALL),
+])
+def test_fixed_point_against_the_oracle_and_bitwise(poisoned_launch, layout, family, heads, dtype, blocks):
+    """Layouts (padded rows all -1, packed documents, CP shards with S_q != S_kv), G in
+    {1, 3, 12}, flat and padded programs: dq/dk/dv against the float64 oracle, the same
+    bits over three runs, and within rounding of the default (atomic fp32) backward."""
+    rng = _fresh_rng()
+    problem = make_problem(layout, family, seed=int(rng.integers(2**31)), seq_len=24, top_k=2,
+                           width=None if family == "qsa" else 7, batch=2 if layout == "padded" else 1)
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, heads, 16, dtype)
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    runs = [_grads(q, k, v, problem.routes, 0.3, do, dtype, blocks) for _ in range(3)]
+    _assert_oracle(runs[0], want, dtype, layout)
+    for run in runs[1:]:
+        assert all(_bitwise_equal(a, b) for a, b in zip(run, runs[0]))
+    default = _grads(q, k, v, problem.routes, 0.3, do, dtype, blocks, deterministic=False)
+    assert _bitwise_equal(default[1], runs[0][1])  # dQ: the same kernel arithmetic
+    for g, d in zip(runs[0][2:], default[2:]):
+        err = relative_error(g.double().cpu().numpy(), d.double().cpu().numpy())
+        assert err < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("group", [1, 3, 12])
+def test_fixed_point_adversarial_routes(poisoned_launch, group):
+    """Duplicates, -1, past the end, huge int64, empty rows, identical rows, one row routed
+    everywhere, S_q != S_kv."""
+    rng = _fresh_rng()
+    s_q, kv_length = 13, 29
+    routes = np.full((2, s_q, kv_length + 3), -1, dtype=np.int64)
+    for b in range(2):
+        routes[b, :, :8] = np.resize(adversarial_routes(kv_length, width=8, rng=rng), (s_q, 8))
+    routes[0, 2] = routes[0, 3]  # identical rows
+    routes[1, 4, :kv_length] = rng.permutation(kv_length)  # every key
+    routes[1, 5] = -1
+    routes[1, 5, :3] = [2**40, -(2**62), kv_length]  # nothing valid: an empty row
+    routes[0, -1] = -1
+    q, k, v, do = random_inputs(rng, routes, kv_length, (group, 1), 16, "float32")
+    want = oracle_forward_backward(q, k, v, routes, 0.25, do)
+    got = _grads(q, k, v, routes, 0.25, do, "float32", FP_FLAT if group > 1 else FP_SMALL)
+    _assert_oracle(got, want, "float32")
+    assert (got[1][1, 5] == 0).all() and (got[1][0, -1] == 0).all()  # empty rows: exact zero dq
+
+
+def test_fixed_point_every_row_identical():
+    rng = _fresh_rng()
+    routes = np.broadcast_to(np.array([0, 5, 17, 31, -1, 5, 40]), (1, 20, 7)).copy()
+    q, k, v, do = random_inputs(rng, routes, 32, (6, 2), 16, "bfloat16")
+    _assert_oracle(_grads(q, k, v, routes, 0.25, do, "bfloat16", FP_SMALL),
+                   oracle_forward_backward(q, k, v, routes, 0.25, do), "bfloat16")
+
+
+# ---------------------------------------------------------------- the bound and its scale
+@triton.jit
+def _exponents_kernel(MAXIMA, OUT, BOUND_K, BOUND_V):
+    e_k, e_v, ok_k, ok_v = fixed_point_exponents(MAXIMA, BOUND_K, BOUND_V)
+    i = tl.arange(0, 4)
+    values = tl.where(i == 0, e_k, tl.where(i == 1, e_v, tl.where(i == 2, ok_k.to(tl.int32), ok_v.to(tl.int32))))
+    tl.store(OUT + i, values)
+
+
+def _ceil_log2_ref(x: float) -> int | None:
+    """ceil(log2 x) of a positive fp32 value by exact rationals; subnormals count as
+    2**-126 (the kernels' upper bound); None for zero."""
+    x = float(np.float32(x))
+    if x == 0:
+        return None
+    x = max(x, 2.0**-126)
+    k = 0
+    frac = Fraction(x)
+    while Fraction(2) ** k < frac:
+        k += 1
+    while Fraction(2) ** (k - 1) >= frac:
+        k -= 1
+    return k
+
+
+def _exponents_ref(maxima, bound_k, bound_v):
+    """(e_k, e_v, ok_k, ok_v) of ``qsa_triton.fixed_point``'s docstring, in Python (e is
+    meaningless where its bound is refused)."""
+    finite = bool(np.isfinite(np.asarray(maxima, np.float32)).all())
+    logs = [_ceil_log2_ref(m) if np.isfinite(m) else 0 for m in maxima]
+    big_k = None if None in logs else bound_k + sum(logs)
+    big_v = None if logs[1] is None else bound_v + logs[1]
+    e = [126 if big is None else min(61 - big, 126) for big in (big_k, big_v)]
+    ok = [finite and (big is None or big <= 127) for big in (big_k, big_v)]
+    return e[0], e[1], ok[0], ok[1]
+
+
+@pytest.mark.parametrize("maxima", [
+    (3.0, 4.5, 2.25),  # ordinary
+    (1.0, 1.0, 1.0),  # exact powers of two: ceil(log2) is exact there
+    (1e-30, 1e30, 3.0),  # extreme magnitudes, product in range
+    (1e-30, 1e-30, 1e-30),  # a tiny bound: e clamped to 126
+    (1e30, 1e30, 1e30),  # a bound beyond 2**127: refused
+    (3e38, 1e-38, 1e-38),  # fp32's extremes
+    (0.0, 2.0, 1.0),  # a zero maximum: the bound is zero
+    (1.0, 0.0, 1.0),
+    (1e-40, 5.0, 5.0),  # subnormal
+    (float("inf"), 1.0, 1.0),  # non-finite inputs: refused
+    (1.0, float("nan"), 1.0),
+])
+def test_fixed_point_exponents_against_numpy(maxima):
+    """The device's exponents (exact integer arithmetic on the maxima's bits) against an
+    exact rational reference, with the static part from the host, and the guarantee they
+    stand for: the bound times 2**e stays below 2**61 whenever the bound is usable."""
+    scale, n_pairs, head_dim = 0.0625, 3 * 37, 256
+    bound_k, bound_v = spec.fixed_point_bounds(scale, n_pairs, head_dim)
+    out = torch.full((4,), -999, dtype=torch.int32, device=DEVICE)
+    _exponents_kernel[(1,)](torch.tensor(maxima, dtype=torch.float32, device=DEVICE), out, bound_k, bound_v)
+    e_k, e_v, ok_k, ok_v = out.cpu().tolist()
+    want = _exponents_ref(maxima, bound_k, bound_v)
+    assert (bool(ok_k), bool(ok_v)) == want[2:]
+    assert [e for e, ok in zip((e_k, e_v), want[2:]) if ok] == [e for e, ok in zip(want[:2], want[2:]) if ok]
+    mq, mdo, mv = (Fraction(float(np.float32(m))) if np.isfinite(m) else None for m in maxima)
+    if ok_k:
+        bound = Fraction(scale) * 2 * n_pairs * head_dim * mq * mdo * mv
+        assert bound * Fraction(2) ** e_k <= 2**61 and -66 <= e_k <= 126
+    if ok_v:
+        assert n_pairs * mdo * Fraction(2) ** e_v <= 2**61 and -66 <= e_v <= 126
+
+
+def test_fixed_point_static_bounds_are_exact():
+    """The host's ceil(log2(2 * scale * N * D)) and ceil(log2 N), exact for the fp32 scale
+    (powers of two land exactly, one ulp more moves up), checked by rationals."""
+    rng = _fresh_rng()
+    cases = [(0.0625, 2**10, 256), (0.0625, 2**10 + 1, 256), (float(np.nextafter(np.float32(0.25), 1)), 8, 16),
+             (1 / 3, 24, 40), (1e-30, 1, 1), (3e38, 2**20, 256)]
+    cases += [(float(rng.uniform(1e-3, 10)), int(rng.integers(1, 10**6)), int(rng.integers(1, 300)))
+              for _ in range(20)]
+    for scale, n_pairs, head_dim in cases:
+        bound_k, bound_v = spec.fixed_point_bounds(scale, n_pairs, head_dim)
+        exact = Fraction(float(np.float32(scale))) * 2 * n_pairs * head_dim
+        assert Fraction(2) ** (bound_k - 1) < exact <= Fraction(2) ** bound_k, (scale, n_pairs, head_dim)
+        assert 2 ** (bound_v - 1) < n_pairs <= 2**bound_v
+    for bad in ((0.0, 4, 4), (float("nan"), 4, 4), (1e-50, 4, 4), (1e39, 4, 4), (1.0, 0, 4)):
+        with pytest.raises(ValueError):
+            spec.fixed_point_bounds(*bad)
+
+
+@pytest.mark.parametrize("which,factor", [("do", 1e-30), ("do", 1e30), ("q", 1e-30), ("v", 1e25)])
+def test_fixed_point_extreme_magnitudes(which, factor):
+    """Inputs scaled by 1e-30 / 1e30 (fp32): no overflow, the oracle's gradients."""
+    rng = _fresh_rng()
+    problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=20, top_k=2)
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, (4, 2), 16, "float32")
+    inputs = dict(q=q, k=k, v=v, do=do)
+    inputs[which] = (inputs[which] * factor).astype(np.float32).astype(np.float64)
+    q, k, v, do = (inputs[n] for n in ("q", "k", "v", "do"))
+    got = _grads(q, k, v, problem.routes, 0.25, do, "float32", FP_SMALL)
+    _assert_oracle(got, oracle_forward_backward(q, k, v, problem.routes, 0.25, do), "float32", which)
+
+
+def test_fixed_point_refuses_a_bound_beyond_fp32():
+    """|V| ~ 1e36: dK's bound exceeds 2**127, so dK is NaN (refused, never wrapped); dV,
+    whose bound does not involve V, is right."""
+    rng = _fresh_rng()
+    problem = make_problem("padded", "random", seed=int(rng.integers(2**31)), seq_len=16, width=4)
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, (2, 1), 16, "float32")
+    v = (v * 1e36).astype(np.float32).astype(np.float64)
+    got = _grads(q, k, v, problem.routes, 0.25, do, "float32", FP_SMALL)
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.25, do)
+    assert torch.isnan(got[2]).all()
+    assert relative_error(got[3].double().cpu().numpy(), want[3]) < TOLERANCE["float32"]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy
+@pytest.mark.parametrize("where", ["q", "do", "routed_v", "routed_k"])
+def test_fixed_point_nan_is_never_a_finite_number(where):
+    """A NaN that the default backward carries into dK/dV (a routed row of Q, dO, K or V)
+    makes the deterministic dK and dV NaN everywhere: it never becomes a finite number
+    (the int64 sums cannot hold it, so the kernel flags it)."""
+    rng = _fresh_rng()
+    routes = random_routes(16, width=5, rng=rng)[None]
+    routes[0, 3, 0] = 7  # row 3 routes key 7
+    q, k, v, do = random_inputs(rng, routes, 16, (4, 2), 16, "float32")
+    target = {"q": (q, (0, 3, 1, 5)), "do": (do, (0, 3, 1, 5)), "routed_v": (v, (0, 7, 0, 2)),
+              "routed_k": (k, (0, 7, 0, 2))}
+    array, index = target[where]
+    array[index] = np.nan
+    default = _grads(q, k, v, routes, 0.25, do, "float32", FP_SMALL, deterministic=False)
+    got = _grads(q, k, v, routes, 0.25, do, "float32", FP_SMALL)
+    assert torch.isnan(default[2]).any() or torch.isnan(default[3]).any()  # the default sees it too
+    assert torch.isnan(got[2]).all() and torch.isnan(got[3]).all(), where
+    assert torch.isnan(got[1][0, 3]).any()  # the row's own dq, as in the default backward
+
+
+# ---------------------------------------------------------------- how the mode is selected
+def _spy_backward(monkeypatch):
+    """Records the ``deterministic`` argument of every backward launch."""
+    seen = []
+    original = _triton_launch.backward
+
+    def spy(*args, deterministic=False, **kwargs):
+        seen.append(deterministic)
+        return original(*args, deterministic=deterministic, **kwargs)
+
+    monkeypatch.setattr(_triton_launch, "backward", spy)
+    return seen
+
+
+def test_global_flag_selects_the_fixed_point_backward_when_the_backward_runs(monkeypatch):
+    """torch.use_deterministic_algorithms (warn-only too) selects the fixed-point backward,
+    read when the backward runs, for the autograd function and the residual op pair;
+    ``deterministic=True/False`` overrides it; a non-bool is a TypeError."""
+    seen = _spy_backward(monkeypatch)
+    rng = _fresh_rng()
+    routes = random_routes(12, width=4, rng=rng)[None]
+    q, k, v, do = random_inputs(rng, routes, 12, (2, 1), 16, "float32")
+    t = lambda x: torch.tensor(x, dtype=torch.float32, device=DEVICE, requires_grad=True)  # noqa: E731
+    r = torch.from_numpy(routes).to(DEVICE)
+    grad = torch.tensor(do, dtype=torch.float32, device=DEVICE)
+
+    def backward(deterministic=None, flag_during_backward=False, warn_only=False):
+        out = triton_qsa.triton_sparse_gqa_attention(t(q), t(k), t(v), r, 0.3, block_sizes=FP_SMALL,
+                                                     deterministic=deterministic)
+        ctx = deterministic_algorithms(warn_only) if flag_during_backward else contextlib.nullcontext()
+        with ctx:
+            out.backward(grad)
+
+    backward()
+    backward(flag_during_backward=True)
+    backward(flag_during_backward=True, warn_only=True)
+    backward(deterministic=False, flag_during_backward=True)
+    backward(deterministic=True)
+    with deterministic_algorithms():  # on at the forward, off when the backward runs
+        out = triton_qsa.triton_sparse_gqa_attention(t(q), t(k), t(v), r, 0.3, block_sizes=FP_SMALL)
+    out.backward(grad)
+    assert seen == [False, True, True, False, True, False]
+
+    residuals = triton_qsa.forward_with_residuals(t(q), t(k), t(v), r, 0.3, block_sizes=FP_SMALL)
+    args = (grad, t(q), t(k), t(v), *residuals, 0.3, routes.shape[2])
+    seen.clear()
+    plain = triton_qsa.backward_from_residuals(*args, block_sizes=FP_SMALL)
+    with deterministic_algorithms():
+        flagged = triton_qsa.backward_from_residuals(*args, block_sizes=FP_SMALL)
+        forced_off = triton_qsa.backward_from_residuals(*args, block_sizes=FP_SMALL, deterministic=False)
+    assert seen == [False, True, False]
+    assert torch.equal(plain[0], flagged[0]) and torch.equal(plain[0], forced_off[0])  # dq: one kernel
+    with pytest.raises(TypeError, match="deterministic"):
+        triton_qsa.triton_sparse_gqa_attention(t(q), t(k), t(v), r, deterministic="yes")
+    with pytest.raises(TypeError, match="deterministic"):
+        triton_qsa.backward_from_residuals(*args, deterministic=1)
+
+
+def test_dispatching_api_under_the_global_flag():
+    """``qsa_torch.sparse_gqa_attention(backend="triton")`` under
+    torch.use_deterministic_algorithms: while qsa_torch/api.py still marks the backend
+    non-deterministic it refuses (RuntimeError); once it lets it through, the gradients
+    are the oracle's and bitwise equal over two runs (the residual op pair reads the flag
+    when its backward runs)."""
+    from qsa_torch import api
+
+    rng = _fresh_rng()
+    problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=16, top_k=2)
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, (4, 2), 16, "float32")
+    fn = lambda *a: api.sparse_gqa_attention(*a, backend="triton")  # noqa: E731
+    with deterministic_algorithms():
+        if not api.BACKENDS["triton"].deterministic_backward:
+            with pytest.raises(RuntimeError, match="deterministic"):
+                run_torch(fn, q, k, v, problem.routes, 0.3, do, "float32", device=DEVICE)
+            return
+        runs = [run_torch(fn, q, k, v, problem.routes, 0.3, do, "float32", device=DEVICE) for _ in range(2)]
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    for g, w in zip(runs[0], want):
+        assert relative_error(g, w) < TOLERANCE["float32"]
+    for a, b in zip(*runs):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_fixed_point_bitwise_over_three_runs():
+    """(24, 2), D = 256, bf16, QSA routes at S = 4096 with the default (tuned) tiling: the
+    deterministic backward gives the same bits three times in torch and in JAX (jax-triton),
+    torch's equal JAX's, and both are within bf16 tolerance of the fp32 torch reference."""
+    from qsa_torch import reference_sparse_gqa_attention
+
+    s = 4096
+    problem = make_problem("packed", "qsa", seed=7, seq_len=s, top_k=256)
+    routes = torch.from_numpy(problem.routes.astype(np.int32)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, do = (torch.randn(1, s, h, 256, device="cuda", generator=g).to(torch.bfloat16) for h in (24, 2, 2, 24))
+
+    def torch_grads():
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        with deterministic_algorithms():
+            triton_qsa.triton_sparse_gqa_attention(*leaves, routes, 1 / 16).backward(do)
+        return [x.grad for x in leaves]
+
+    runs = [torch_grads() for _ in range(3)]
+    for run in runs[1:]:
+        assert all(_bitwise_equal(a, b) for a, b in zip(run, runs[0]))
+    leaves = [x.float().requires_grad_() for x in (q, k, v)]
+    reference_sparse_gqa_attention(*leaves, routes, 1 / 16).backward(do.float())
+    for got, ref in zip(runs[0], leaves):
+        assert relative_error(got.double().cpu().numpy(), ref.grad.double().cpu().numpy()) < TOLERANCE["bfloat16"]
+
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError as err:
+        pytest.skip(f"the JAX half needs jax-triton: {err}")
+    import jax
+    import jax.numpy as jnp
+
+    from qsa_jax import triton_qsa as jt
+
+    def to_jax(x):
+        return jnp.asarray(x.float().cpu().numpy()).astype(jnp.bfloat16)
+
+    jq, jk, jv, jdo = (to_jax(x) for x in (q, k, v, do))
+    jroutes = jnp.asarray(problem.routes.astype(np.int32))
+    grad = jax.jit(jax.grad(lambda a, b, c: jnp.sum(
+        jt.triton_sparse_gqa_attention(a, b, c, jroutes, 1 / 16, deterministic=True).astype(jnp.float32)
+        * jdo.astype(jnp.float32)), argnums=(0, 1, 2)))
+    jax_runs = [[np.asarray(x).view(np.uint16) for x in grad(jq, jk, jv)] for _ in range(3)]
+    for run in jax_runs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(run, jax_runs[0]))
+    for a, b in zip(jax_runs[0], runs[0]):
+        assert np.array_equal(a, b.cpu().view(torch.int16).numpy().view(np.uint16))
+
+
+# =========================================================================================
+# KV-owning: dK/dV from key-block programs over an inverse route index (qsa_triton.kv_backward)
+# =========================================================================================
 # ------------------------------------------------------------------------ the index
 def _brute_force_index(routes: np.ndarray, kv_length: int, block_n: int):
     """Per (batch row, block): the list of (row, mask) pairs, straight from the sets."""
@@ -248,19 +666,6 @@ def test_unrouted_kv_rows_may_hold_anything(poisoned):
         g = g.cpu().numpy()
         assert (g[0, ~routed] == 0).all()
         assert relative_error(g, w) < TOLERANCE["float32"]
-
-
-@contextlib.contextmanager
-def deterministic_algorithms():
-    """torch.use_deterministic_algorithms(True) (what selects this backward): none of the
-    torch ops used may refuse to run."""
-    before = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def test_bitwise_reproducible():

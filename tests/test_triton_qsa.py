@@ -314,32 +314,12 @@ def test_missing_triton_raises_import_error(monkeypatch):
         _triton_launch.interpreted.cache_clear()
 
 
-def test_deterministic_backward_is_refused():
-    """Atomic dK/dV: with torch.use_deterministic_algorithms a backward is refused up front."""
-    previous = (torch.are_deterministic_algorithms_enabled(),
-                torch.is_deterministic_algorithms_warn_only_enabled())
-    q = torch.randn(1, 8, 2, 16, device=DEVICE, requires_grad=True)
-    k, v = torch.randn(2, 1, 8, 1, 16, device=DEVICE).unbind(0)
-    routes = torch.randint(-1, 8, (1, 8, 4), device=DEVICE)
-    try:
-        torch.use_deterministic_algorithms(True)
-        with pytest.raises(RuntimeError, match="deterministic"):
-            triton_sparse_gqa_attention(q, k, v, routes)
-        with torch.no_grad():  # no backward wanted: runs
-            assert triton_sparse_gqa_attention(q, k, v, routes).shape == q.shape
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        with pytest.warns(UserWarning, match="deterministic"):
-            triton_sparse_gqa_attention(q, k, v, routes)
-    finally:
-        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
-
-
 def _run_plan(plan, q, k, v, routes, scale, do):
     """out, dq, dk, dv (float64 numpy) of the kernels under an explicit ``plan``."""
     leaves = [torch.tensor(x, dtype=torch.float32, device=DEVICE, requires_grad=True) for x in (q, k, v)]
     r = torch.from_numpy(routes).to(DEVICE)
     unions = _triton_unions.build_unions(r, k.shape[1], plan)
-    out = TritonQSA.apply(*leaves, unions.union, unions.count, unions.rowbits, scale, plan, routes.shape[2])
+    out = TritonQSA.apply(*leaves, unions.union, unions.count, unions.rowbits, scale, plan, routes.shape[2], False)
     out.backward(torch.tensor(do, dtype=torch.float32, device=DEVICE))
     return tuple(t.detach().double().cpu().numpy() for t in (out, *(x.grad for x in leaves)))
 
@@ -680,6 +660,9 @@ def test_launches_name_every_kernel_argument():
     launches = [
         spec.forward_launch(plan, q, kv, kv, union_shape, 0.0625, "bfloat16", interpreted=False),
         spec.backward_launch(plan, q, kv, kv, q, q, union_shape, 0.0625, "bfloat16", interpreted=False),
+        spec.backward_launch(plan, q, kv, kv, q, q, union_shape, 0.0625, "bfloat16", interpreted=False,
+                             deterministic=True),
+        spec.fixed_point_launch(kv[0], "bfloat16", 0.0625, 40 * 12, interpreted=False),
         spec.keys_launch(step, routes, 40, 65535),
         spec.merge_launch(step, 2, 20, interpreted=False),
         spec.cut_launch(cut, (2, step.n_groups, step.width), 65535, interpreted=False),

@@ -1,0 +1,169 @@
+"""Fixed-point dK/dV of the deterministic backward: the scale, the rounding, the conversion back.
+
+The deterministic backward (``backward.py`` with ``DETERMINISTIC``) is the fused backward
+with one change: each program's fp32 dK/dV block contributions are multiplied by a power of
+two ``2**e`` (exact in fp32), rounded to the nearest integer (ties to even), and added with
+int64 atomics. Integer addition is associative, so the sums do not depend on the order in
+which the GPU runs the atomics: dK/dV are bitwise reproducible, and equal across frameworks
+that launch the same kernels (``qsa_torch``, ``qsa_jax``). dQ is stored once per (row,
+head) by the one program that owns it, as in the default backward, so it is reproducible
+already. :func:`fixed_point_kernel` turns the int64 sums into the output dtype.
+
+**The bound.** For batch row b, KV head g, key j and lane d, with the N = S_q * G (row, head)
+pairs (i, h) of (b, g), P the softmax probabilities (0 <= P <= 1, zero off the routes),
+dP = dO . v_j and delta = dO . o (o = sum_j P v_j, a convex combination of routed V rows):
+
+* |dV[j, d]| = |sum P dO[d]| <= N * max|dO|
+* |dK[j, d]| = scale * |sum P (dP - delta) q[d]| <= scale * N * 2 * D * max|dO| * max|V| * max|Q|
+
+since |dP| and |delta| are at most D * max|dO| * max|V|. Every partial sum of the
+contributions (each program adds a partial sum of the same terms) obeys the same bound.
+The maxima are over all of Q and dO, and over the rows of V whose own maximum is finite
+(rows that no route names may hold anything: they must neither poison nor be needed; a
+non-finite V row that a route does name is caught by the dQ check below). The launcher
+hands them to the kernels as ``MAXIMA`` (fp32 ``[3]``: max|Q|, max|dO|, max|V|), computed
+with framework reductions that are exact (maxima round nothing, so both frameworks get the
+same bits). Exponents are exact integers, so nothing overflows at any input magnitude:
+``E = ceil(log2(2 * scale * N * D)) + ceil(log2 max|dO|) + ceil(log2 max|V|) +
+ceil(log2 max|Q|)`` for dK (the first term on the host, exactly, from the fp32 scale:
+``qsa_triton.launch.fixed_point_bounds``; the others here from the maxima's bits, 2**-126
+standing for subnormals), ``E = ceil(log2 N) + ceil(log2 max|dO|)`` for dV, and
+
+    e = min(61 - E, 126)        (a zero maximum: the bound is 0 and e = 126)
+
+**No overflow.** With 2**E >= bound, every partial sum of the rounded contributions is at
+most 2**e * bound * (1 + eps) + n / 2 <= 2**61 * (1 + eps) + n / 2 < 2**63, where (1 + eps) < 2
+covers the kernel's own rounding (P from the fp32 LSE, the 16-bit operands of the dK/dV
+products, fp32 accumulation) and n (the number of contributions) is far below 2**61. The
+bound holds while the forward's LSE pins P <= 2, i.e. for scores below ~2**22 in magnitude
+(beyond that fp32 softmax means nothing, in the default backward too). Bounds above 2**127
+(gradients that may exceed fp32's range) are refused: that gradient comes out NaN. So an
+element's sum never wraps, and 2**e and 2**-e are normal fp32 numbers (-66 <= e <= 126).
+
+**Precision.** Each contribution is rounded to a multiple of 2**-e: an error of at most
+2**-(e+1) <= 2**(E-62) (E < -65 has e = 126: at most 2**-127, still below fp32's resolution
+of anything above 2**-103). A key element receives n contributions, one per backward
+program whose union holds the key (n <= ceil(N / M) for M (row, head) pairs per program),
+so its absolute error is at most n * 2**(E-62), relative to the bound n * 2**-61 (the
+default fp32 atomics: up to n * 2**-24 of the running sum). The int64 sum is converted to
+fp32 once (rounded to nearest), scaled by 2**-e (exact) and cast to the output dtype.
+
+**Non-finite values.** If Q or dO holds a non-finite value, or any program's dQ comes out
+non-finite (its P or dS met a NaN/inf: a routed K/V row, an overflowing score), dK and dV are
+NaN everywhere (the kernel raises ``FLAG``; rows past a union's count are never loaded, so
+unrouted K/V rows never reach it). The default backward gives NaN for the keys of the
+affected tiles only; this one does not try to tell which keys, and never turns a NaN into
+a finite number.
+
+Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
+scalars, outputs, then integers and constexprs (by keyword).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .language import SUM, cast, load_count
+
+TARGET_C = tl.constexpr(61)  # bound * 2**e <= 2**61: a factor 4 below int64's range
+E_MAX_C = tl.constexpr(126)  # 2**e and 2**-e stay normal fp32 numbers
+E_LIMIT_C = tl.constexpr(127)  # larger bounds may exceed fp32's range: refused
+E_ZERO_C = tl.constexpr(-(1 << 20))  # the exponent of a zero maximum (a zero bound)
+ROUNDER_C = tl.constexpr(12582912.0)  # 1.5 * 2**23: (x + R) - R rounds |x| < 2**22 to an integer
+EXACT_C = tl.constexpr(8388608.0)  # 2**23: fp32 values at least this large are integers
+INT64_SAFE_C = tl.constexpr(4611686018427387904.0)  # 2**62
+
+
+@triton.jit
+def _ceil_log2(x):
+    """ceil(log2 x) of fp32 x >= 0 from its bits (int32): -126 for subnormals (an
+    upper bound), E_ZERO for zero; the caller checks finiteness."""
+    bits = x.to(tl.int32, bitcast=True)
+    expo = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    e = tl.where(mant != 0, expo - 126, expo - 127)
+    return tl.where(expo == 0, tl.where(mant == 0, E_ZERO_C, -126), e)
+
+
+@triton.jit
+def _power_of_two(e):
+    """2**e as fp32, for integer e in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fixed_point_exponents(MAXIMA, BOUND_K, BOUND_V):
+    """``(e_k, e_v, ok_k, ok_v)``: the exponents of dK and dV, and whether each bound is
+    usable (the maxima finite, the bound at most 2**127).
+
+    ``MAXIMA``: fp32 [3], max|Q|, max|dO|, max|V| (finite rows). ``BOUND_K`` /
+    ``BOUND_V``: the host's exact ceil(log2(2 * scale * N * D)) and ceil(log2 N)."""
+    i = tl.arange(0, 4)
+    m = tl.load(MAXIMA + i, mask=i < 3, other=0.0)
+    finite = ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) != 0xFF
+    ex = _ceil_log2(m)
+    inputs_ok = tl.reduce(tl.where(finite, 0, 1), 0, SUM) == 0
+    big_k = BOUND_K + tl.reduce(tl.where(i < 3, ex, 0), 0, SUM)
+    big_v = BOUND_V + tl.reduce(tl.where(i == 1, ex, 0), 0, SUM)
+    e_k = tl.minimum(TARGET_C - big_k, E_MAX_C)
+    e_v = tl.minimum(TARGET_C - big_v, E_MAX_C)
+    return e_k, e_v, inputs_ok & (big_k <= E_LIMIT_C), inputs_ok & (big_v <= E_LIMIT_C)
+
+
+@triton.jit
+def fixed_point_factors(MAXIMA, BOUND_K, BOUND_V):
+    """``(2**e_k, 2**e_v)`` (fp32), 0 for a refused bound (the conversion writes NaN there)."""
+    e_k, e_v, ok_k, ok_v = fixed_point_exponents(MAXIMA, BOUND_K, BOUND_V)
+    f_k = tl.where(ok_k, _power_of_two(tl.maximum(e_k, -126)), 0.0)
+    f_v = tl.where(ok_v, _power_of_two(tl.maximum(e_v, -126)), 0.0)
+    return f_k, f_v
+
+
+@triton.jit
+def add_fixed(ptr, x, mask, INTERPRET: tl.constexpr):
+    """``*ptr += round(x)`` for the int64 accumulators ``ptr`` where ``mask``: fp32 ``x``
+    (already scaled by 2**e) rounded to the nearest integer, ties to even, and added
+    with relaxed int64 atomics.
+
+    On the GPU one inline PTX sequence per element, ``cvt.rni.s64.f32`` then a predicated
+    ``red.global.add.u64``: an elementwise op with no layout of its own, so the compiler
+    computes the addresses in the layout the block already has (the wgmma accumulator's)
+    and adds from there, where ``tl.atomic_add`` takes a coalesced blocked layout whose
+    conversion of a [64, 256] int64 block through shared memory costs 128 KiB of it and,
+    with the int64 values all live, hundreds of bytes of register spills (sm_90a
+    compiles, Triton 3.6 and 3.9). The interpreter has no PTX (and no libdevice): there
+    the fp32 adder rounds the same way ((x + 1.5 * 2**23) - 1.5 * 2**23 for |x| < 2**23,
+    where larger fp32 values are integers already) and ``tl.atomic_add`` adds; values
+    outside (-2**62, 2**62), NaN included, become 0 there, as numpy's cast of them is
+    undefined (they occur only where the conversion writes NaN anyway)."""
+    if INTERPRET:
+        r = tl.where(tl.abs(x) < EXACT_C, (x + ROUNDER_C) - ROUNDER_C, x)
+        r = tl.where(tl.abs(r) < INT64_SAFE_C, r, 0.0)
+        tl.atomic_add(ptr, r.to(tl.int64), mask=mask, sem="relaxed")
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred %p; .reg .s64 %v; setp.ne.s32 %p, $3, 0; cvt.rni.s64.f32 %v, $2; "
+            "@%p red.global.gpu.relaxed.add.u64 [$1], %v; mov.u32 $0, 0; }",
+            "=r,l,f,r", [ptr.to(tl.int64, bitcast=True), x, mask.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def fixed_point_kernel(DK_FIXED, DV_FIXED, MAXIMA, FLAG, DK, DV, n, BOUND_K, BOUND_V,
+                       BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """DK, DV (the output dtype, ``n`` elements each, contiguous) from the int64 sums
+    DK_FIXED, DV_FIXED (any 32-bit-word buffer holding ``n`` int64, contiguous): each
+    sum rounded to fp32, times 2**-e (exact), cast to the output dtype; NaN everywhere
+    where FLAG (int32 [1]) is set or the tensor's bound was refused. ``MAXIMA``,
+    ``BOUND_K``, ``BOUND_V``: as the backward got them. Grid: ``ceil(n / BLOCK)``."""
+    e_k, e_v, ok_k, ok_v = fixed_point_exponents(MAXIMA, BOUND_K, BOUND_V)
+    clean = load_count(FLAG, 0) == 0
+    inv_k = tl.where(ok_k & clean, _power_of_two(-tl.maximum(e_k, -126)), float("nan"))
+    inv_v = tl.where(ok_v & clean, _power_of_two(-tl.maximum(e_v, -126)), float("nan"))
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    dk = tl.load(DK_FIXED.to(tl.pointer_type(tl.int64)) + offs, mask=ok, other=0)
+    tl.store(DK + offs, cast(dk.to(tl.float32) * inv_k, DK.dtype.element_ty, INTERPRET), mask=ok)
+    dv = tl.load(DV_FIXED.to(tl.pointer_type(tl.int64)) + offs, mask=ok, other=0)
+    tl.store(DV + offs, cast(dv.to(tl.float32) * inv_v, DV.dtype.element_ty, INTERPRET), mask=ok)
