@@ -44,8 +44,9 @@ element's sum never wraps, and 2**e and 2**-e are normal fp32 numbers (-66 <= e 
 2**-(e+1) <= 2**(E-62) (E < -65 has e = 126: at most 2**-127, still below fp32's resolution
 of anything above 2**-103). A key element receives n contributions, one per backward
 program whose union holds the key (n <= ceil(N / M) for M (row, head) pairs per program),
-so its absolute error is at most n * 2**(E-62), relative to the bound n * 2**-61 (the
-default fp32 atomics: up to n * 2**-24 of the running sum). The int64 sum is converted to
+so its absolute error is at most n * 2**(E-62): n * 2**-62 of 2**E, which is at most 16
+times the bound (each of the four ceilings adds at most a bit); the default fp32 atomics
+err by up to n * 2**-24 of the running sum. The int64 sum is converted to
 fp32 once (rounded to nearest), scaled by 2**-e (exact) and cast to the output dtype.
 
 **Non-finite values.** If Q or dO holds a non-finite value, or any program's dQ comes out
@@ -70,8 +71,8 @@ TARGET_C = tl.constexpr(61)  # bound * 2**e <= 2**61: a factor 4 below int64's r
 E_MAX_C = tl.constexpr(126)  # 2**e and 2**-e stay normal fp32 numbers
 E_LIMIT_C = tl.constexpr(127)  # larger bounds may exceed fp32's range: refused
 E_ZERO_C = tl.constexpr(-(1 << 20))  # the exponent of a zero maximum (a zero bound)
-ROUNDER_C = tl.constexpr(12582912.0)  # 1.5 * 2**23: (x + R) - R rounds |x| < 2**22 to an integer
-EXACT_C = tl.constexpr(8388608.0)  # 2**23: fp32 values at least this large are integers
+EXACT_C = tl.constexpr(8388608.0)  # 2**23: fp32 values this large are integers; (x + 2**23) - 2**23
+# rounds 0 <= x < 2**23 to an integer by the fp32 adder (ties to even), likewise with -2**23 below 0
 INT64_SAFE_C = tl.constexpr(4611686018427387904.0)  # 2**62
 
 
@@ -133,12 +134,13 @@ def add_fixed(ptr, x, mask, INTERPRET: tl.constexpr):
     conversion of a [64, 256] int64 block through shared memory costs 128 KiB of it and,
     with the int64 values all live, hundreds of bytes of register spills (sm_90a
     compiles, Triton 3.6 and 3.9). The interpreter has no PTX (and no libdevice): there
-    the fp32 adder rounds the same way ((x + 1.5 * 2**23) - 1.5 * 2**23 for |x| < 2**23,
-    where larger fp32 values are integers already) and ``tl.atomic_add`` adds; values
-    outside (-2**62, 2**62), NaN included, become 0 there, as numpy's cast of them is
-    undefined (they occur only where the conversion writes NaN anyway)."""
+    the fp32 adder rounds the same way ((x + 2**23) - 2**23 for 0 <= x < 2**23, the same
+    with -2**23 below 0; larger fp32 values are integers already) and ``tl.atomic_add``
+    adds; values outside (-2**62, 2**62), NaN included, become 0 there, as numpy's cast of
+    them is undefined (they occur only where the conversion writes NaN anyway)."""
     if INTERPRET:
-        r = tl.where(tl.abs(x) < EXACT_C, (x + ROUNDER_C) - ROUNDER_C, x)
+        shift = tl.where(x < 0, -EXACT_C, EXACT_C)
+        r = tl.where(tl.abs(x) < EXACT_C, (x + shift) - shift, x)
         r = tl.where(tl.abs(r) < INT64_SAFE_C, r, 0.0)
         tl.atomic_add(ptr, r.to(tl.int64), mask=mask, sem="relaxed")
     else:

@@ -45,7 +45,7 @@ from qsa_torch._triton_deterministic import (  # noqa: E402
 )
 from qsa_triton import launch as spec  # noqa: E402
 from qsa_triton.config import BlockSizes  # noqa: E402
-from qsa_triton.fixed_point import fixed_point_exponents  # noqa: E402
+from qsa_triton.fixed_point import add_fixed, fixed_point_exponents  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -282,6 +282,33 @@ def test_fixed_point_static_bounds_are_exact():
     for bad in ((0.0, 4, 4), (float("nan"), 4, 4), (1e-50, 4, 4), (1e39, 4, 4), (1.0, 0, 4)):
         with pytest.raises(ValueError):
             spec.fixed_point_bounds(*bad)
+
+
+@triton.jit
+def _add_fixed_kernel(X, ACC, n, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    ok = i < n
+    x = tl.load(X + i, mask=ok, other=0.0)
+    acc = ACC.to(tl.pointer_type(tl.int64))
+    add_fixed(acc + i, x, ok, INTERPRET)
+    add_fixed(acc + i, x, ok, INTERPRET)  # twice: the second add lands on the first
+
+
+def test_fixed_point_rounding_is_to_nearest_even():
+    """``add_fixed`` rounds fp32 to the nearest int64, ties to even, at every magnitude
+    (halves near 0, around 2**22 and 2**23 where fp32's spacing reaches 0.5 and 1, and
+    large integers), and adds: two adds give twice the rounded value."""
+    edges = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999997, 3.7, -3.7, 2.0**22 + 0.5, 2.0**22 + 1.5, 2.0**22 + 1.0,
+             -(2.0**22 + 0.5), -(2.0**22 + 1.0), 2.0**23 - 0.5, -(2.0**23 - 0.5), 2.0**23 - 1.5, 2.0**23 + 2.0,
+             2.0**40 + 2.0**17, -(2.0**61), 0.0, -0.0, 1e-30]
+    x = np.array(edges, dtype=np.float32)
+    rng = _fresh_rng()
+    x = np.concatenate([x, (rng.standard_normal(41) * 2.0 ** rng.integers(-3, 60, 41)).astype(np.float32)])
+    acc = torch.zeros(x.size, 2, dtype=torch.int32, device=DEVICE)
+    _add_fixed_kernel[(1,)](torch.from_numpy(x).to(DEVICE), acc, x.size, BLOCK=64,
+                            INTERPRET=_triton_launch.interpreted())
+    want = [2 * int(v) for v in np.rint(x.astype(np.float64))]  # numpy's rint: ties to even
+    assert acc.cpu().view(torch.int64).flatten().tolist() == want
 
 
 @pytest.mark.parametrize("which,factor", [("do", 1e-30), ("do", 1e30), ("q", 1e-30), ("v", 1e25)])
