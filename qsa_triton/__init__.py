@@ -7,8 +7,11 @@ both build their launches from this package's plans (:mod:`.plan`), launch descr
 same GPU run the same kernels with the same tiles, unions, constexprs and scalars.
 
 Importing the package imports only those pure-Python modules; the kernels
-(``forward``, ``backward``, ``union_keys``, ``union_merge``, ``union_cut``, one per
-module) import triton and load when :func:`qsa_triton.launch.kernel` first asks for one.
+(``forward``, ``backward``, ``fixed_point``, ``union_keys``, ``union_merge``,
+``union_cut``, one per module) import triton and load when
+:func:`qsa_triton.launch.kernel` first asks for one. ``backward`` has a deterministic
+mode (int64 fixed-point dK/dV, ``fixed_point``); ``kv_backward`` is a second,
+KV-owning deterministic dK/dV design, launched by ``qsa_torch._triton_deterministic``.
 """
 
 from .config import DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, BlockSizes, default_block_sizes
