@@ -188,6 +188,40 @@ def test_fixed_point_adversarial_routes(poisoned_launch, group):
     assert (got[1][1, 5] == 0).all() and (got[1][0, -1] == 0).all()  # empty rows: exact zero dq
 
 
+def test_fixed_point_folded_grid_int64_offsets_strides():
+    """Folded launch grids (y limit 2), 64-bit offsets, transposed views and an expanded
+    output gradient (stride 0): the oracle's gradients, and the same bits as the plain
+    launch on contiguous inputs (integer sums, whatever the programs' order)."""
+    from qsa_torch import _triton_unions
+    from qsa_torch._triton_autograd import TritonQSA
+    from qsa_triton.plan import make_plan
+
+    rng = _fresh_rng()
+    bsz, s_q, kv_length = 5, 12, 20
+    routes = rng.integers(-2, kv_length + 3, size=(bsz, s_q, 9))
+    q, k, v, _ = random_inputs(rng, routes, kv_length, (6, 2), 16, "float32")
+    do = np.ones_like(q)  # what out.sum().backward() hands in
+    r = torch.from_numpy(routes).to(DEVICE)
+
+    def run(plan, strided):
+        leaves = [torch.tensor(x, dtype=torch.float32, device=DEVICE, requires_grad=True) for x in (q, k, v)]
+        args = [x.transpose(1, 2).contiguous().transpose(1, 2) if strided else x for x in leaves]
+        unions = _triton_unions.build_unions(r, kv_length, plan)
+        out = TritonQSA.apply(*args, unions.union, unions.count, unions.rowbits, 0.3, plan, routes.shape[2], True)
+        if strided:
+            out.sum().backward()
+        else:
+            out.backward(torch.ones_like(out))
+        return [x.grad for x in leaves]
+
+    plain = run(make_plan(3, 16, FP_SMALL), False)
+    odd = run(make_plan(3, 16, FP_SMALL, max_grid_y=2, offset_limit=0), True)
+    want = oracle_forward_backward(q, k, v, routes, 0.3, do)
+    for name, a, b, w in zip(("dq", "dk", "dv"), odd, plain, want[1:]):
+        assert relative_error(a.double().cpu().numpy(), w) < TOLERANCE["float32"], name
+        assert _bitwise_equal(a, b), name
+
+
 def test_fixed_point_every_row_identical():
     rng = _fresh_rng()
     routes = np.broadcast_to(np.array([0, 5, 17, 31, -1, 5, 40]), (1, 20, 7)).copy()
