@@ -17,6 +17,7 @@ Shapes are tiny.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from fractions import Fraction
 
@@ -475,26 +476,33 @@ def test_dispatching_api_under_the_global_flag():
         assert np.array_equal(a, b)
 
 
-@pytest.mark.gpu
-def test_gpu_fixed_point_bitwise_over_three_runs():
-    """(24, 2), D = 256, bf16, QSA routes at S = 4096 with the default (tuned) tiling: the
-    deterministic backward gives the same bits three times in torch and in JAX (jax-triton),
-    torch's equal JAX's, and both are within bf16 tolerance of the fp32 torch reference."""
-    from qsa_torch import reference_sparse_gqa_attention
-
+@functools.cache
+def _gpu_problem():
+    """(24, 2), D = 256, bf16, QSA routes at S = 4096 (packed), on the GPU, and the torch
+    deterministic backward's gradients over three runs."""
     s = 4096
     problem = make_problem("packed", "qsa", seed=7, seq_len=s, top_k=256)
     routes = torch.from_numpy(problem.routes.astype(np.int32)).cuda()
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v, do = (torch.randn(1, s, h, 256, device="cuda", generator=g).to(torch.bfloat16) for h in (24, 2, 2, 24))
 
-    def torch_grads():
+    def grads():
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         with deterministic_algorithms():
             triton_qsa.triton_sparse_gqa_attention(*leaves, routes, 1 / 16).backward(do)
         return [x.grad for x in leaves]
 
-    runs = [torch_grads() for _ in range(3)]
+    return problem, (q, k, v, do, routes), [grads() for _ in range(3)]
+
+
+@pytest.mark.gpu
+def test_gpu_fixed_point_bitwise_over_three_runs():
+    """The default (tuned) tiling at (24, 2), D = 256, bf16, S = 4096 under
+    torch.use_deterministic_algorithms: the same bits three times, within bf16 tolerance
+    of the fp32 torch reference."""
+    from qsa_torch import reference_sparse_gqa_attention
+
+    _, (q, k, v, do, routes), runs = _gpu_problem()
     for run in runs[1:]:
         assert all(_bitwise_equal(a, b) for a, b in zip(run, runs[0]))
     leaves = [x.float().requires_grad_() for x in (q, k, v)]
@@ -502,28 +510,31 @@ def test_gpu_fixed_point_bitwise_over_three_runs():
     for got, ref in zip(runs[0], leaves):
         assert relative_error(got.double().cpu().numpy(), ref.grad.double().cpu().numpy()) < TOLERANCE["bfloat16"]
 
-    try:
-        import jax_triton  # noqa: F401
-    except ImportError as err:
-        pytest.skip(f"the JAX half needs jax-triton: {err}")
+
+@pytest.mark.gpu
+def test_gpu_fixed_point_jax_equals_torch_bitwise():
+    """The same problem through ``qsa_jax``'s triton implementation (jax-triton) with
+    ``deterministic=True``: the same bits three times, and torch's bits."""
+    pytest.importorskip("jax_triton", reason="the JAX launch needs jax-triton (and a CUDA build of jax)")
     import jax
     import jax.numpy as jnp
 
     from qsa_jax import triton_qsa as jt
 
-    def to_jax(x):
-        return jnp.asarray(x.float().cpu().numpy()).astype(jnp.bfloat16)
-
-    jq, jk, jv, jdo = (to_jax(x) for x in (q, k, v, do))
+    problem, (q, k, v, do, _), torch_runs = _gpu_problem()
+    jq, jk, jv, jdo = (jnp.asarray(x.float().cpu().numpy()).astype(jnp.bfloat16) for x in (q, k, v, do))
     jroutes = jnp.asarray(problem.routes.astype(np.int32))
-    grad = jax.jit(jax.grad(lambda a, b, c: jnp.sum(
-        jt.triton_sparse_gqa_attention(a, b, c, jroutes, 1 / 16, deterministic=True).astype(jnp.float32)
-        * jdo.astype(jnp.float32)), argnums=(0, 1, 2)))
-    jax_runs = [[np.asarray(x).view(np.uint16) for x in grad(jq, jk, jv)] for _ in range(3)]
-    for run in jax_runs[1:]:
-        assert all(np.array_equal(a, b) for a, b in zip(run, jax_runs[0]))
-    for a, b in zip(jax_runs[0], runs[0]):
-        assert np.array_equal(a, b.cpu().view(torch.int16).numpy().view(np.uint16))
+
+    def loss(a, b, c):
+        out = jt.triton_sparse_gqa_attention(a, b, c, jroutes, 1 / 16, deterministic=True)
+        return jnp.sum(out.astype(jnp.float32) * jdo.astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    runs = [[np.asarray(x).view(np.uint16) for x in grad(jq, jk, jv)] for _ in range(3)]
+    for run in runs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(run, runs[0]))
+    for name, a, b in zip(("dq", "dk", "dv"), runs[0], torch_runs[0]):
+        assert np.array_equal(a, b.cpu().view(torch.int16).numpy().view(np.uint16)), name
 
 
 # =========================================================================================
