@@ -118,7 +118,8 @@ def sanitizer_probe() -> int:
         ok = ok and same and max(errs) < 1e-2
 
     # KV-owning dK/dV (the forward's LSE from the Triton forward)
-    cases = [(make_problem("packed", "qsa", seed=1, seq_len=96, top_k=6), (12, 1), np.int32, det.DEFAULT_KV_BLOCK_SIZES),
+    cases = [(make_problem("packed", "qsa", seed=1, seq_len=96, top_k=6), (12, 1), np.int32,
+              det.DEFAULT_KV_BLOCK_SIZES),
              (make_problem("padded", "adversarial", seed=2, seq_len=80, width=10), (24, 2), np.int64,
               det.KVBlockSizes(block_n=64, block_m=64, num_warps=8)),
              (make_problem("cp", "random", seed=3, seq_len=96, width=12), (6, 1), np.int64,
@@ -245,7 +246,8 @@ def probe(record: Record, seq_len: int, smoke: bool) -> None:
         plan = make_plan(hq // hkv, d, triton_qsa.default_block_sizes(q.device, d, q.dtype))
         convert = spec.fixed_point_launch(tuple(k.shape), "bfloat16", scale, s * plan.group,
                                           interpreted=_triton_launch.interpreted())
-        sums = {n: torch.zeros(tuple(k.shape) + (2,), dtype=torch.int32, device=DEVICE) for n in ("DK_FIXED", "DV_FIXED")}
+        sums = {n: torch.zeros(tuple(k.shape) + (2,), dtype=torch.int32, device=DEVICE)
+                for n in ("DK_FIXED", "DV_FIXED")}
         flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
         convert_ms = time_ms(lambda: _triton_launch.run(convert, dict(**sums, MAXIMA=maxima, FLAG=flag), q.device))
         result = dict(backward_ms=total, maxima_ms=maxima_ms, convert_ms=convert_ms,
