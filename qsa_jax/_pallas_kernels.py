@@ -88,7 +88,7 @@ def forward_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, o_ref, l
 
 def backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, union_ref, bits_ref,
                      count_ref, dk_in_ref, dv_in_ref, dq_ref, dk_ref, dv_ref, *,
-                     scale: float, geo: Geometry, lean: bool = False):
+                     scale: float, geo: Geometry):
     del dk_in_ref, dv_in_ref  # aliased with dk_ref / dv_ref
     m_rows = geo.block_m
     rows_of = _rows_of(geo)
@@ -109,12 +109,10 @@ def backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, union_ref, 
         ds = p * (dp - delta[:, None])
         dq = dq + _dot(ds.astype(k.dtype), k)
         # padding IDs point at row 0 with all-zero contributions
-        if lean:  # dV^T = dO^T P, dK^T = Q^T dS: the same products, added transposed
-            relaxed_addupdate(dv_ref, (ids[None, :], cols.T), _dot(do, p.astype(do.dtype), trans_a=True))
-            relaxed_addupdate(dk_ref, (ids[None, :], cols.T), scale * _dot(q, ds.astype(q.dtype), trans_a=True))
-        else:
-            relaxed_addupdate(dv_ref, (ids[:, None], cols), _dot(p.astype(do.dtype), do, trans_a=True))
-            relaxed_addupdate(dk_ref, (ids[:, None], cols), scale * _dot(ds.astype(q.dtype), q, trans_a=True))
+        # dV^T = dO^T P, dK^T = Q^T dS, added transposed (fewer registers than the
+        # [block_k, D] orientation)
+        relaxed_addupdate(dv_ref, (ids[None, :], cols.T), _dot(do, p.astype(do.dtype), trans_a=True))
+        relaxed_addupdate(dk_ref, (ids[None, :], cols.T), scale * _dot(q, ds.astype(q.dtype), trans_a=True))
         return dq
 
     dq = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((m_rows, geo.head_dim_pad), jnp.float32))

@@ -60,10 +60,9 @@ class BlockSizes:
     residuals that live from forward to backward (union and row bits, int32
     ``[B, n_programs, ~span * K]`` each: about 0.56 GiB per layer at S=32768, G=12,
     K=2052). A smaller ``block_m_bwd`` trades that memory for a second sort and a slower
-    backward. ``lean_backward``: compute and add the dK/dV blocks transposed (dV^T =
-    dO^T P, dK^T = Q^T dS), the same results; for sm_90a it removes ptxas's warning
-    that the backward's wgmma instructions are serialized for lack of registers
-    (C7512). Off until timed on the H200 (``scripts/gpu/probe_kernels.py``).
+    backward. The backward computes and adds its dK/dV blocks transposed (dV^T = dO^T P,
+    dK^T = Q^T dS): for sm_90a this removes ptxas's serialization of the wgmma
+    instructions for lack of registers (C7512).
     """
 
     block_m: int = 128
@@ -75,7 +74,6 @@ class BlockSizes:
     num_warps_bwd: int = 8
     num_stages_bwd: int = 1
     flatten_heads: bool = False
-    lean_backward: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "block_m_bwd", "block_k_bwd"):
@@ -160,7 +158,7 @@ def _backward_call(q, k, v, do, lse, delta, union, bits, count, geo: _Geometry, 
     zeros = jnp.zeros(acc_shape, jnp.float32)
     q_spec, row_spec, kv_spec, union_spec, count_spec = _specs(geo, kv_length, union.shape[2])
     return pl.pallas_call(
-        functools.partial(backward_kernel, scale=scale, geo=geo, lean=bs.lean_backward),
+        functools.partial(backward_kernel, scale=scale, geo=geo),
         grid=(n_tiles, bsz, hkv),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, union_spec, union_spec,
                   count_spec, kv_spec, kv_spec],

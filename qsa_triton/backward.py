@@ -40,8 +40,7 @@ def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
                    k_base, v_base, dk_base, dv_base, sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2,
                    fix_k, fix_v,
                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                   EVEN_D: tl.constexpr, OFFS32: tl.constexpr, LEAN_REGISTERS: tl.constexpr,
-                   DETERMINISTIC: tl.constexpr):
+                   EVEN_D: tl.constexpr, OFFS32: tl.constexpr, DETERMINISTIC: tl.constexpr):
     """dQ update and the chunk's dK/dV atomic adds; returns the new dQ (unscaled)."""
     rows, kv_mask, k, v, member = gather_chunk(
         start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s, sv_d, d, d_ok, t, row_ok, BLOCK_K,
@@ -53,22 +52,14 @@ def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
     dq += mm(cast(ds, k.dtype, INTERPRET), k, IEEE)
     # rows past count carry zeros and are masked: they add nothing. Each [BLOCK_K, D]
     # block is added as soon as it is computed, so only one of them holds registers.
-    if LEAN_REGISTERS:
-        # dV^T = dO^T P and dK^T = Q^T dS: both wgmma operands can come from shared
-        # memory (no [BLOCK_K, D] 16-bit operand held in registers). The same products
-        # summed in the same order; the adds stay 4-wide along D.
-        acc_off_t = rows[None, :] * sdk_s + d[:, None]
-        kv_mask_t = tl.trans(kv_mask)
-        dv_t = mm(tl.trans(do), cast(p, do.dtype, INTERPRET), IEEE)
-        _add_block(dv_base + acc_off_t, dv_t, kv_mask_t, fix_v, DETERMINISTIC, INTERPRET)
-        dk_t = mm(tl.trans(q), cast(ds, q.dtype, INTERPRET), IEEE) * scale
-        _add_block(dk_base + acc_off_t, dk_t, kv_mask_t, fix_k, DETERMINISTIC, INTERPRET)
-    else:
-        acc_off = rows[:, None] * sdk_s + d[None, :]
-        dv_blk = mm(tl.trans(cast(p, do.dtype, INTERPRET)), do, IEEE)
-        _add_block(dv_base + acc_off, dv_blk, kv_mask, fix_v, DETERMINISTIC, INTERPRET)
-        dk_blk = mm(tl.trans(cast(ds, q.dtype, INTERPRET)), q, IEEE) * scale
-        _add_block(dk_base + acc_off, dk_blk, kv_mask, fix_k, DETERMINISTIC, INTERPRET)
+    # dV^T = dO^T P and dK^T = Q^T dS: both wgmma operands can come from shared memory
+    # (no [BLOCK_K, D] 16-bit operand held in registers); the adds stay 4-wide along D.
+    acc_off_t = rows[None, :] * sdk_s + d[:, None]
+    kv_mask_t = tl.trans(kv_mask)
+    dv_t = mm(tl.trans(do), cast(p, do.dtype, INTERPRET), IEEE)
+    _add_block(dv_base + acc_off_t, dv_t, kv_mask_t, fix_v, DETERMINISTIC, INTERPRET)
+    dk_t = mm(tl.trans(q), cast(ds, q.dtype, INTERPRET), IEEE) * scale
+    _add_block(dk_base + acc_off_t, dk_t, kv_mask_t, fix_k, DETERMINISTIC, INTERPRET)
     return dq
 
 
@@ -88,7 +79,7 @@ def qsa_backward_kernel(
     B, S_q, N_TILES, UNION_WIDTH, HKV, G, D, N_CHUNKS, BOUND_K, BOUND_V,
     T: tl.constexpr, HB: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, INTERPRET: tl.constexpr, FLAT: tl.constexpr, EVEN_D: tl.constexpr,
-    OFFS32: tl.constexpr, LEAN_REGISTERS: tl.constexpr, FOLD: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    OFFS32: tl.constexpr, FOLD: tl.constexpr, DETERMINISTIC: tl.constexpr,
 ):
     """Writes DQ (Q's dtype) and adds into DK/DV, [B, S_kv, Hkv, D] accumulators (last
     stride 1, DV with DK's strides) that must be zero on entry: fp32, or with
@@ -97,8 +88,9 @@ def qsa_backward_kernel(
 
     O and LSE are the forward's; DO the output's gradient; the unions those of the
     backward's tiles. ``scale`` is the softmax scale and ``scale_log2`` = scale * log2(e),
-    both fp32. ``LEAN_REGISTERS``: the same results with less register pressure
-    (transposed dK/dV products, dQ-store coordinates recomputed after the loop).
+    both fp32. dK/dV blocks are computed transposed and the dQ store's coordinates
+    recomputed after the loop, which keeps ptxas from spilling the prologue's offsets
+    and serializing the wgmma instructions at the tuned tiling.
 
     Read or written only with DETERMINISTIC (``fixed_point.py``): MAXIMA (fp32 [3]: max|Q|,
     max|dO|, max|V| over V rows with a finite maximum) and BOUND_K / BOUND_V
@@ -141,7 +133,7 @@ def qsa_backward_kernel(
                 start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
                 UNION + tile_base, ROWBITS + tile_base, k_base, v_base, dk_base, dv_base,
                 sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, fix_k, fix_v, BLOCK_K, IEEE, INTERPRET,
-                EVEN_D, OFFS32, LEAN_REGISTERS, DETERMINISTIC)
+                EVEN_D, OFFS32, DETERMINISTIC)
             start += BLOCK_K
     else:
         # Ascending IDs in every program: programs of neighbouring tiles run together over
@@ -151,7 +143,7 @@ def qsa_backward_kernel(
                 start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
                 UNION + tile_base, ROWBITS + tile_base, k_base, v_base, dk_base, dv_base,
                 sk_s, sk_d, sv_s, sv_d, sdk_s, scale, scale_log2, fix_k, fix_v, BLOCK_K, IEEE, INTERPRET,
-                EVEN_D, OFFS32, LEAN_REGISTERS, DETERMINISTIC)
+                EVEN_D, OFFS32, DETERMINISTIC)
 
     if DETERMINISTIC:
         # a non-finite P or dS of this program reaches its dQ (dQ += dS K; 0 * inf is NaN
@@ -161,16 +153,15 @@ def qsa_backward_kernel(
         tl.store(FLAG + tl.full([T * HB], 0, tl.int32), tl.full([T * HB], 1, tl.int32),
                  mask=poisoned != poisoned)
 
-    if LEAN_REGISTERS:
-        # the store's per-row coordinates again, from a tile the compiler cannot prove
-        # equal to the prologue's (count is never negative), so the prologue's int64
-        # offsets and masks are not held (spilled) across the loop
-        tile, pid, live = program_xy(N_TILES, B * HKV * N_CHUNKS, FOLD)
-        _, head, row64, row_ok = pair_coordinates(tl.where(count < 0, 0, tile), pid, S_q, HKV, G, HB, T,
-                                                  N_CHUNKS, FLAT)
-        if FOLD > 1:
-            row_ok = tl.where(live, row_ok, False)
-        io_mask = row_ok[:, None] & d_ok[None, :]
+    # the store's per-row coordinates again, from a tile the compiler cannot prove equal to
+    # the prologue's (count is never negative), so the prologue's int64 offsets and masks
+    # are not held (spilled) across the loop
+    tile, pid, live = program_xy(N_TILES, B * HKV * N_CHUNKS, FOLD)
+    _, head, row64, row_ok = pair_coordinates(tl.where(count < 0, 0, tile), pid, S_q, HKV, G, HB, T,
+                                              N_CHUNKS, FLAT)
+    if FOLD > 1:
+        row_ok = tl.where(live, row_ok, False)
+    io_mask = row_ok[:, None] & d_ok[None, :]
     dq_ptr = DQ + b64 * sdq_b + row64[:, None] * sdq_s + head[:, None] * sdq_h + d[None, :] * sdq_d
     tl.store(dq_ptr, cast(dq * scale, DQ.dtype.element_ty, INTERPRET), mask=io_mask)
 

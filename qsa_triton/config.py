@@ -35,10 +35,6 @@ class BlockSizes:
     backward) takes ``block_m`` consecutive (query row, head) pairs instead of T rows x
     G_pad heads, so no matrix row is head padding; a program then spans at most
     ``(block_m - 1) // G + 2`` query rows and the backward walks the forward's programs.
-    ``lean_backward``: the backward computes and adds its dK/dV blocks transposed
-    (dV^T = dO^T P, dK^T = Q^T dS) and recomputes the dQ store's coordinates after its
-    loop: the same products, less register pressure. Off until timed on the H200
-    (``scripts/gpu/probe_kernels.py``).
     """
 
     block_m: int = 128
@@ -51,7 +47,6 @@ class BlockSizes:
     backward_num_stages: int = 1
     backward_rows_per_tile: int | None = None
     flatten_heads: bool = False
-    lean_backward: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "backward_block_m", "backward_block_k"):
@@ -67,9 +62,8 @@ class BlockSizes:
                                  or rows & (rows - 1)):
             raise ValueError("BlockSizes.backward_rows_per_tile must be None or a power of two "
                              f"in [1, {MAX_ROWS_PER_TILE}], got {rows!r}")
-        for name in ("flatten_heads", "lean_backward"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"BlockSizes.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.flatten_heads, bool):
+            raise TypeError(f"BlockSizes.flatten_heads must be a bool, got {self.flatten_heads!r}")
 
 
 # Tuned on H200 for D=256 bf16 (S=32768, (24,2), QSA routes); see docs/benchmarks.md.

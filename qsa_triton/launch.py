@@ -172,7 +172,7 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
     pass LSE in its place otherwise). ``deterministic``: the bitwise-reproducible kernel
     (``qsa_triton.fixed_point``): DK and DV are int64 ``[B, S_kv, Hkv, D]`` sums,
     allocated as int32 ``[B, S_kv, Hkv, D, 2]``, the integers BOUND_K / BOUND_V come from
-    :func:`fixed_point_bounds`, LEAN_REGISTERS is always on; :func:`fixed_point_launch`
+    :func:`fixed_point_bounds`; :func:`fixed_point_launch`
     converts the sums."""
     (bsz, s_q, hq, d), (_, s_kv, hkv, _) = q[0], k[0]
     grid, fold, ints, constexprs, attempt = _kernel_shape(plan, q, k, union_shape, True, dtype, interpreted,
@@ -191,11 +191,7 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
     else:
         bounds = (0, 0)
         accumulators = (Output("DK", dk_shape, "float32", zeroed=True), Output("DV", dk_shape, "float32", zeroed=True))
-    # the deterministic kernel always takes the transposed dK/dV products: its int64 adds
-    # leave the [D, BLOCK_K] blocks in the wgmma layout, where a warp's adds cover 8
-    # consecutive lanes of D per key (qsa_triton.fixed_point.add_fixed)
-    tail = [("OFFS32", offs32), ("LEAN_REGISTERS", plan.blocks.lean_backward or deterministic), ("FOLD", fold),
-            ("DETERMINISTIC", deterministic)]
+    tail = [("OFFS32", offs32), ("FOLD", fold), ("DETERMINISTIC", deterministic)]
     return Launch(
         "backward", grid, ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS", "MAXIMA"),
         (("scale", fp32(scale)), ("scale_log2", fp32(scale * LOG2E))),

@@ -144,7 +144,6 @@ def timing(results, sizes, configs):
 CONFIGS = {
     "triton": ("triton", None),
     "pallas": ("pallas", None),
-    "pallas-lean": ("pallas", dict(lean_backward=True)),
     "pallas-m64": ("pallas", dict(block_m_bwd=64)),
     "pallas-padded": ("pallas", dict(flatten_heads=False, block_m_bwd=64)),
 }

@@ -15,10 +15,10 @@ the kernels), and prints PROBE_OK when every case agrees:
 * ``triton`` (the qsa_triton kernels through jax-triton: union key, merge and cut
   kernels, forward, backward): the default flat tiling with unions cut from tiles (G=12),
   flat programs sorted one by one (G=6), padded tiles with the backward's unions cut
-  (G=12 padded to 16), fp32 padded tiles, the lean backward; packed, padded and CP
+  (G=12 padded to 16), fp32 padded tiles, 32-ID backward chunks; packed, padded and CP
   layouts, QSA, random and adversarial routes;
 * ``pallas``: the default flattened heads, padded tiles with split heads, fp32 tiles,
-  adversarial routes, the lean backward.
+  adversarial routes.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _cases(implementation: str):
             (make_problem("cp", "random", seed=4, seq_len=96, width=16), (12, 1), "float32", SAFE_BLOCK_SIZES, 1e-4,
              "fp32 padded"),
             (make_problem("packed", "adversarial", seed=5, seq_len=100, width=12), (12, 1), "bfloat16",
-             dataclasses.replace(DEFAULT_BLOCK_SIZES, lean_backward=True), 1e-2, "lean backward"),
+             dataclasses.replace(DEFAULT_BLOCK_SIZES, backward_block_k=32), 1e-2, "32-ID backward chunks"),
         ]
     from qsa_jax.pallas_qsa import BlockSizes
 
@@ -71,8 +71,6 @@ def _cases(implementation: str):
         (make_problem("cp", "random", seed=3, seq_len=96, width=16), (12, 1), "float32", None, 1e-4, "fp32"),
         (make_problem("packed", "adversarial", seed=4, seq_len=100, width=12), (24, 2), "bfloat16", None, 1e-2,
          "default, adversarial"),
-        (make_problem("packed", "adversarial", seed=5, seq_len=100, width=12), (12, 1), "bfloat16",
-         dataclasses.replace(BlockSizes.default(256, False), lean_backward=True), 1e-2, "lean"),
     ]
 
 
