@@ -16,6 +16,7 @@ inject one that runs the same kernels in the interpreter.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import jax
@@ -35,13 +36,27 @@ def jax_triton():
         ImportError: jax-triton is not installed, or cannot load (it needs a CUDA build
             of jax).
     """
+    # jax-triton 0.3.1 sets TRITON_CACHE_DIR to "" when it is imported, which leaves Triton's
+    # own file cache without a directory: every later triton.jit compile in the process (a
+    # torch Triton kernel beside JAX, in parity runs or mixed programs) then fails with
+    # "Could not create or locate cache dir". Its own compile path never reads that
+    # variable, so the caller's value is put back.
+    saved = os.environ.get(_CACHE_VARIABLE)
     try:
         import jax_triton as module
     except ImportError as err:
         raise ImportError(
             "qsa_jax's implementation='triton' needs jax-triton 0.3.1 and a CUDA build of jax "
             f"(pip install 'jax-triton==0.3.1' 'jax[cuda12]'); importing it failed: {err}") from err
+    finally:
+        if saved is None:
+            os.environ.pop(_CACHE_VARIABLE, None)
+        else:
+            os.environ[_CACHE_VARIABLE] = saved
     return module
+
+
+_CACHE_VARIABLE = "TRITON_CACHE_DIR"
 
 
 @dataclass(frozen=True)

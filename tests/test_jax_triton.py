@@ -329,6 +329,44 @@ def test_host_side_launch_description():
     assert arrays["UNION"][1] == jnp.int32 and arrays["COUNT"][0] == (1, forward.grid[0])
 
 
+@pytest.mark.parametrize("before", [None, "/tmp/some-triton-cache"])
+def test_importing_jax_triton_keeps_tritons_cache_directory(monkeypatch, before):
+    """jax-triton 0.3.1 empties TRITON_CACHE_DIR on import, after which any other
+    triton.jit compile in the process fails ("Could not create or locate cache dir", seen
+    with torch Triton beside JAX on the H200); the loader puts the caller's value back."""
+    import types
+
+    from qsa_jax import _triton_call
+
+    stand_in = types.ModuleType("jax_triton")
+
+    class Finder:  # imports a module that clobbers the variable, as jax-triton does
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name != "jax_triton":
+                return None
+            import importlib.machinery
+
+            class Loader:
+                def create_module(self, spec):
+                    os.environ["TRITON_CACHE_DIR"] = ""
+                    return stand_in
+
+                def exec_module(self, module):
+                    pass
+
+            return importlib.machinery.ModuleSpec(name, Loader())
+
+    monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Finder()] + sys.meta_path)
+    if before is None:
+        monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_CACHE_DIR", before)
+    assert _triton_call.jax_triton() is stand_in
+    assert os.environ.get("TRITON_CACHE_DIR") == before
+
+
 def test_missing_jax_triton_raises_import_error_on_first_use(monkeypatch):
     """The first call without jax-triton raises ImportError naming it; a list of
     implementations moves on to the next (test_imports checks that importing the
