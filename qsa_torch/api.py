@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .routes import ProblemDims, refuse_nondeterministic_backward, validate_inputs, warn_unverified
+from .routes import ProblemDims, validate_inputs, warn_unverified
 
 __all__ = [
     "BACKENDS",
@@ -104,7 +104,7 @@ BACKENDS: dict[str, _Backend] = {
     "flex": _Backend("qsa_torch.flex_qsa", "flex_sparse_gqa_attention", _HALF_AND_FLOAT, True),
     "fa4": _Backend("qsa_torch.fa4_qsa", "fa4_sparse_gqa_attention", (torch.bfloat16,), False),
     "cudnn": _Backend("qsa_torch.cudnn_qsa", "cudnn_sparse_gqa_attention", (torch.bfloat16,), False),
-    "triton": _Backend("qsa_torch.triton_qsa", "triton_sparse_gqa_attention", _HALF_AND_FLOAT, False),
+    "triton": _Backend("qsa_torch.triton_qsa", "triton_sparse_gqa_attention", _HALF_AND_FLOAT, True),
 }
 
 # Optional runtime of each backend, checked with find_spec (no import).
@@ -398,9 +398,6 @@ def _triton_backward_fake(grad_out, query, key, value, out, lse, union, count, r
 
 def _triton_setup_context(ctx, inputs, output):
     query, key, value, routes, scale = inputs
-    # here rather than before the op: runs only when autograd records the op, and under
-    # torch.compile as AOTAutograd's plain Python (dynamo cannot trace the warn-only query)
-    refuse_nondeterministic_backward("triton_qsa")
     out, lse, union, count, rowbits = output
     ctx.mark_non_differentiable(lse, union, count, rowbits)
     ctx.save_for_backward(query, key, value, out, lse, union, count, rowbits)
