@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One H200 session's worth of GPU checks and benchmarks, in three calls of < 10 minutes on a
+# warm machine (docs/benchmarks.md quotes what each produced). From the repository root:
+#
+#   call 1 (carry .gpu/a .gpu/install.sh .whl):  bash scripts/gpu/session.sh bench
+#   call 2 (carry .gpu/b .gpu/install.sh .whl):  bash scripts/gpu/session.sh timing
+#   call 3 (no carry needed on a warm machine):  bash scripts/gpu/session.sh correctness
+#
+# .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
+# .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
+# only packages the upstream layer and the JAX triton path need beyond the host's image.
+# Timing steps run alone on the GPU; correctness steps run side by side. Every step has a
+# time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
+set -u
+phase=${1:?bench, timing or correctness}
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+R=$OUT/$phase
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+[ -d .gpu ] && bash .gpu/install.sh > "$R/install.log" 2>&1
+[ -f /tmp/qsa-site/env.sh ] && source /tmp/qsa-site/env.sh
+if [ -d .whl ] && [ ! -d /tmp/qsa-extra ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/qsa-extra .whl/*.whl \
+    > "$R/pip.log" 2>&1
+fi
+export PYTHONPATH=$root:/tmp/qsa-extra${PYTHONPATH:+:$PYTHONPATH}
+T0=$(date +%s)
+stamp() { echo "$1 rc=$2 at $(( $(date +%s) - T0 ))s" >> "$R/steps.log"; }
+alone() { local name=$1 limit=$2; shift 2; timeout "$limit" "$@" > "$R/$name.log" 2>&1; stamp "$name" $?; }
+beside() { local name=$1 limit=$2; shift 2; ( timeout "$limit" "$@" > "$R/$name.log" 2>&1; stamp "$name" $? ) & }
+python3 - > "$R/environment.log" 2>&1 <<'PY'
+import importlib, platform, subprocess
+print(platform.python_version(), subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout)
+for m in ("torch", "triton", "jax", "flax", "jax_triton", "flash_attn.cute", "nemo_automodel"):
+    try:
+        print(m, getattr(importlib.import_module(m), "__version__", "ok"))
+    except Exception as e:
+        print(m, "unavailable:", e)
+PY
+git log -1 --format='commit %H %s' > "$R/commit.log" 2>/dev/null || true
+case $phase in
+bench)
+  alone bench 470 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
+    --overlaps-at 32768=0.3,0.6,0.8,0.9 --backends torch-dense-sdpa,jax-dense-cudnn,triton,jax-triton,jax-pallas \
+    --time-budget 330 --out "$R/bench"
+  ;;
+timing)
+  alone probe_deterministic 150 python3 scripts/gpu/probe_deterministic.py --out "$R/probe_deterministic"
+  alone nemo 260 python3 scripts/gpu/bench_nemo_layer.py --out "$R/nemo" --time-budget 170
+  beside layer 200 python3 scripts/gpu/layer_parity.py --out "$R/layer" --seq-lens 8192 --time-budget 150
+  beside jax_triton 170 python3 scripts/gpu/check_jax_triton.py --out "$R/jax_triton" --budget-s 110
+  beside soak 200 python3 scripts/gpu/soak.py --out "$R/soak" --budget-s 150
+  wait
+  ;;
+correctness)
+  beside parity 470 python3 scripts/gpu/run_parity_and_bench.py --out "$R/parity" --skip-bench --skip-api \
+    --budget 420 --parity-args "--backends triton,jax-triton,jax-pallas"
+  beside reliability 470 python3 -m pytest -q -s -p no:cacheprovider tests/test_reliability_gpu.py
+  beside gpu_tests 470 python3 -m pytest -q -p no:cacheprovider tests/test_triton_qsa.py tests/test_torch_api.py \
+    tests/test_triton_deterministic.py tests/test_jax_triton.py tests/test_nemo_automodel_integration.py \
+    tests/test_flex_qsa.py
+  beside check_triton 300 python3 scripts/gpu/check_triton.py --out "$R/check_triton"
+  beside long_context 300 bash -c "cd scripts/gpu && python3 long_context.py --out '$R/long_context'"
+  beside sanitize_jax 240 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton,pallas
+  beside sanitize_det 240 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer
+  wait
+  ;;
+esac
+stamp done 0
+cd "$OUT" && tar czf "$phase.tgz" "$phase" && rm -rf "$phase"
