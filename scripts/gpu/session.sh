@@ -41,27 +41,27 @@ PY
 git log -1 --format='commit %H %s' > "$R/commit.log" 2>/dev/null || true
 case $phase in
 bench)
-  alone bench 470 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
+  alone bench 430 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
     --overlaps-at 32768=0.3,0.6,0.8,0.9 --backends torch-dense-sdpa,jax-dense-cudnn,triton,jax-triton,jax-pallas \
-    --time-budget 330 --out "$R/bench"
+    --time-budget 300 --out "$R/bench"
   ;;
 timing)
-  alone probe_deterministic 150 python3 scripts/gpu/probe_deterministic.py --out "$R/probe_deterministic"
-  alone nemo 260 python3 scripts/gpu/bench_nemo_layer.py --out "$R/nemo" --time-budget 170
-  beside layer 200 python3 scripts/gpu/layer_parity.py --out "$R/layer" --seq-lens 8192 --time-budget 150
+  alone probe_deterministic 140 python3 scripts/gpu/probe_deterministic.py --out "$R/probe_deterministic"
+  alone nemo 220 python3 scripts/gpu/bench_nemo_layer.py --out "$R/nemo" --time-budget 140
+  beside layer 175 python3 scripts/gpu/layer_parity.py --out "$R/layer" --seq-lens 8192 --time-budget 120
   beside jax_triton 170 python3 scripts/gpu/check_jax_triton.py --out "$R/jax_triton" --budget-s 110
-  beside soak 200 python3 scripts/gpu/soak.py --out "$R/soak" --budget-s 150
+  beside soak 175 python3 scripts/gpu/soak.py --out "$R/soak" --budget-s 130
   wait
   ;;
 correctness)
-  beside parity 470 python3 scripts/gpu/run_parity_and_bench.py --out "$R/parity" --skip-bench --skip-api \
-    --budget 420 --parity-args "--backends triton,jax-triton,jax-pallas"
-  beside reliability 470 python3 -m pytest -q -s -p no:cacheprovider tests/test_reliability_gpu.py
-  beside gpu_tests 470 python3 -m pytest -q -p no:cacheprovider tests/test_triton_qsa.py tests/test_torch_api.py \
+  beside parity 430 python3 scripts/gpu/run_parity_and_bench.py --out "$R/parity" --skip-bench --skip-api \
+    --budget 380 --parity-args "--backends triton,jax-triton,jax-pallas"
+  beside reliability 430 python3 -m pytest -q -s -p no:cacheprovider tests/test_reliability_gpu.py
+  beside gpu_tests 430 python3 -m pytest -q -p no:cacheprovider tests/test_triton_qsa.py tests/test_torch_api.py \
     tests/test_triton_deterministic.py tests/test_jax_triton.py tests/test_nemo_automodel_integration.py \
     tests/test_flex_qsa.py
   beside check_triton 300 python3 scripts/gpu/check_triton.py --out "$R/check_triton"
-  beside long_context 300 bash -c "cd scripts/gpu && python3 long_context.py --out '$R/long_context'"
+  beside long_context 280 bash -c "cd scripts/gpu && python3 long_context.py --out '$R/long_context'"
   beside sanitize_jax 240 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton,pallas
   beside sanitize_det 240 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer
   wait
