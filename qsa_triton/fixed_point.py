@@ -127,13 +127,11 @@ def add_fixed(ptr, x, mask, INTERPRET: tl.constexpr):
     (already scaled by 2**e) rounded to the nearest integer, ties to even, and added
     with relaxed int64 atomics.
 
-    On the GPU one inline PTX sequence per element, ``cvt.rni.s64.f32`` then a predicated
-    ``red.global.add.u64``: an elementwise op with no layout of its own, so the compiler
-    computes the addresses in the layout the block already has (the wgmma accumulator's)
-    and adds from there, where ``tl.atomic_add`` takes a coalesced blocked layout whose
-    conversion of a [64, 256] int64 block through shared memory costs 128 KiB of it and,
-    with the int64 values all live, hundreds of bytes of register spills (sm_90a
-    compiles, Triton 3.6 and 3.9). The interpreter has no PTX (and no libdevice): there
+    On the GPU the rounding is one pure inline ``cvt.rni.s64.f32`` per element and the add
+    ``tl.atomic_add``, which adds each element once whatever the block's layout. (An inline
+    ``red.global.add.u64`` in the accumulator's layout avoided the layout conversion but
+    added twice wherever that layout holds an element in two threads, as small tiles do:
+    seen on the H200.) The interpreter has no PTX (and no libdevice): there
     the fp32 adder rounds the same way ((x + 2**23) - 2**23 for 0 <= x < 2**23, the same
     with -2**23 below 0; larger fp32 values are integers already) and ``tl.atomic_add``
     adds; values outside (-2**62, 2**62), NaN included, become 0 there, as numpy's cast of
@@ -144,11 +142,9 @@ def add_fixed(ptr, x, mask, INTERPRET: tl.constexpr):
         r = tl.where(tl.abs(r) < INT64_SAFE_C, r, 0.0)
         tl.atomic_add(ptr, r.to(tl.int64), mask=mask, sem="relaxed")
     else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred %p; .reg .s64 %v; setp.ne.s32 %p, $3, 0; cvt.rni.s64.f32 %v, $2; "
-            "@%p red.global.gpu.relaxed.add.u64 [$1], %v; mov.u32 $0, 0; }",
-            "=r,l,f,r", [ptr.to(tl.int64, bitcast=True), x, mask.to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
+        r = tl.inline_asm_elementwise("cvt.rni.s64.f32 $0, $1;", "=l,f", [x], dtype=tl.int64,
+                                      is_pure=True, pack=1)
+        tl.atomic_add(ptr, r, mask=mask, sem="relaxed")
 
 
 @triton.jit
