@@ -10,8 +10,7 @@ Importing the package imports only those pure-Python modules; the kernels
 (``forward``, ``backward``, ``fixed_point``, ``union_keys``, ``union_merge``,
 ``union_cut``, one per module) import triton and load when
 :func:`qsa_triton.launch.kernel` first asks for one. ``backward`` has a deterministic
-mode (int64 fixed-point dK/dV, ``fixed_point``); ``kv_backward`` is a second,
-KV-owning deterministic dK/dV design, launched by ``qsa_torch._triton_deterministic``.
+mode (int64 fixed-point dK/dV, ``fixed_point``).
 """
 
 from .config import DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, BlockSizes, default_block_sizes

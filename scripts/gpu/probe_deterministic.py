@@ -1,4 +1,4 @@
-"""The two deterministic backwards of the Triton backend on one H200 (issue 18), against the default.
+"""The Triton backend's deterministic backward on one H200 (issue 18), against the default.
 
     python3 scripts/gpu/probe_deterministic.py --out $OUT               # < 2 minutes
     python3 scripts/gpu/probe_deterministic.py --out $OUT --sanitizer   # memcheck, ~1-2 minutes
@@ -16,22 +16,18 @@ events (``gpu_common.cuda_ms``) of:
   backward kernel (the rest); its ratio to the default backward (the target: <= 1.15);
   dq/dk/dv bitwise equal over 3 runs; no synchronising call
   (``torch.cuda.set_sync_debug_mode("error")``); dq/dk/dv against the default's;
-* **KV-owning** (phase 1, ``qsa_torch._triton_deterministic``, dK/dV only: it has no dQ
-  pass, so a complete backward would add one): the inverse-index build, the dK/dV kernel,
-  the delta, per block configuration while the budget lasts (the default configuration
-  first); bitwise over 3 runs; against the default's dk/dv;
 * the fixed-point and default dk/dv against the fp32 torch reference, last, if the budget
   allows.
 
 Writes probe_deterministic.json (after every step) and probe_deterministic.md under --out and
-prints a VERDICT line (which design to keep). Each step's failure is recorded and the others
+prints a VERDICT line (the ratio to the default backward, against the target of 1.15). Each step's failure is recorded and the others
 still run.
 
 ``--sanitizer`` instead runs compute-sanitizer memcheck over tiny problems (S <= 96, D =
 256, bf16) in a subprocess (``--sanitizer-probe``): the fixed-point backward (forward, union,
 deterministic backward and conversion kernels; flat (12,1) and (24,2) programs of the default
-tiling, padded (6,1) tiles) and the KV-owning index and dK/dV kernels (three tilings), each
-checked against the float64 oracle and for bitwise repeats; writes sanitizer.log and
+tiling, padded (6,1) tiles, and one-warp 16 x 16 tiles, whose layouts hold an element in
+several threads), each checked against the float64 oracle and for bitwise repeats; writes sanitizer.log and
 probe_deterministic_sanitizer.json.
 """
 
@@ -73,7 +69,7 @@ def bitwise_equal(runs) -> bool:
 
 # --------------------------------------------------------------------------- sanitizer
 def sanitizer_probe() -> int:
-    """Tiny runs of both designs' kernels against the float64 oracle, each twice for
+    """Tiny runs of the deterministic backward against the float64 oracle, each twice for
     bitwise equality (run under compute-sanitizer by :func:`run_sanitizer`)."""
     import numpy as np
     import torch
@@ -83,9 +79,11 @@ def sanitizer_probe() -> int:
 
     from qsa_common.layouts import make_problem
     from qsa_common.oracle import oracle_forward_backward, relative_error as oracle_error
-    from qsa_torch import _triton_deterministic as det
     from qsa_torch import triton_qsa
-    from qsa_triton.config import SAFE_BLOCK_SIZES
+    from qsa_triton.config import SAFE_BLOCK_SIZES, BlockSizes
+
+    tiny = BlockSizes(block_m=16, block_k=16, num_warps=1, num_stages=1, backward_block_m=16,
+                      backward_block_k=16, backward_num_warps=1, backward_num_stages=1)
 
     d = 256 if DEVICE == "cuda" else 32
     rng = np.random.default_rng(0)
@@ -100,7 +98,8 @@ def sanitizer_probe() -> int:
     # fixed point: the whole backend path with deterministic=True
     cases = [(make_problem("packed", "qsa", seed=1, seq_len=96, top_k=6), (12, 1), np.int32, None),
              (make_problem("cp", "adversarial", seed=2, seq_len=80, width=10), (24, 2), np.int64, None),
-             (make_problem("padded", "random", seed=3, seq_len=64, width=12), (6, 1), np.int64, SAFE_BLOCK_SIZES)]
+             (make_problem("padded", "random", seed=3, seq_len=64, width=12), (6, 1), np.int64, SAFE_BLOCK_SIZES),
+             (make_problem("packed", "adversarial", seed=4, seq_len=48, width=8), (3, 1), np.int32, tiny)]
     for problem, heads, route_dtype, blocks in cases:
         routes_np = int_routes(problem, route_dtype)
         q, k, v, do = random_inputs(rng, routes_np, problem.kv_length, heads, d, "bfloat16")
@@ -117,26 +116,6 @@ def sanitizer_probe() -> int:
         print("fixed point", problem.layout, heads, blocks, ["%.2e" % e for e in errs], "bitwise", same, flush=True)
         ok = ok and same and max(errs) < 1e-2
 
-    # KV-owning dK/dV (the forward's LSE from the Triton forward)
-    cases = [(make_problem("packed", "qsa", seed=1, seq_len=96, top_k=6), (12, 1), np.int32,
-              det.DEFAULT_KV_BLOCK_SIZES),
-             (make_problem("padded", "adversarial", seed=2, seq_len=80, width=10), (24, 2), np.int64,
-              det.KVBlockSizes(block_n=64, block_m=64, num_warps=8)),
-             (make_problem("cp", "random", seed=3, seq_len=96, width=12), (6, 1), np.int64,
-              det.KVBlockSizes(block_n=16, block_m=128, num_warps=8))]
-    for problem, heads, route_dtype, blocks in cases:
-        routes_np = int_routes(problem, route_dtype)
-        q, k, v, do = random_inputs(rng, routes_np, problem.kv_length, heads, d, "bfloat16")
-        routes = torch.from_numpy(routes_np).to(DEVICE)
-        out, lse, *_ = triton_qsa.forward_with_residuals(t(q), t(k), t(v), routes, d ** -0.5)
-        delta = det.attention_delta(out, t(do))
-        runs = [det.deterministic_dk_dv(t(q), t(k), t(v), t(do), lse, delta, routes, d ** -0.5, block_sizes=blocks)
-                for _ in range(2)]
-        want = oracle_forward_backward(q, k, v, routes_np, d ** -0.5, do)[2:]
-        errs = [oracle_error(g.double().cpu().numpy(), w) for g, w in zip(runs[0], want)]
-        same = bitwise_equal(runs)
-        print("kv-owning", problem.layout, heads, blocks, ["%.2e" % e for e in errs], "bitwise", same, flush=True)
-        ok = ok and same and max(errs) < 1e-2
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     print("PROBE_OK" if ok else "PROBE_FAIL", flush=True)
@@ -181,19 +160,14 @@ def probe(record: Record, seq_len: int, smoke: bool) -> None:
     import torch
 
     from qsa_common.layouts import make_problem
-    from qsa_torch import _triton_deterministic as det
     from qsa_torch import _triton_launch, triton_qsa
     from qsa_triton import launch as spec
     from qsa_triton.plan import make_plan
 
     if smoke:
         s, hq, hkv, d, top_k = 128, 6, 2, 32, 8
-        kv_configs = [det.KVBlockSizes(block_n=16, block_m=16, num_warps=1), det.KVBlockSizes(block_n=64, block_m=32)]
     else:
         s, hq, hkv, d, top_k = seq_len, 24, 2, 256, 512
-        kv_configs = [det.DEFAULT_KV_BLOCK_SIZES,  # 32 keys x 128 pairs
-                      det.KVBlockSizes(block_n=16, block_m=128, num_warps=8, num_stages=1),
-                      det.KVBlockSizes(block_n=64, block_m=64, num_warps=8, num_stages=1)]
     scale = d ** -0.5
     state: dict = {}
 
@@ -262,37 +236,6 @@ def probe(record: Record, seq_len: int, smoke: bool) -> None:
     record.run("default", "backward", default)
     record.run("fixed_point", "backward", fixed_point, margin_s=10)
 
-    def kv_owning(blocks):
-        index = det.build_inverse_index(routes, s, blocks.block_n)
-        if DEVICE == "cuda":
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                det.build_inverse_index(routes, s, blocks.block_n)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        delta = det.attention_delta(out, do)
-        call = lambda idx: det.deterministic_dk_dv(  # noqa: E731
-            q, k, v, do, lse, delta, routes, scale, block_sizes=blocks, index=idx)
-        index_ms = time_ms(lambda: det.build_inverse_index(routes, s, blocks.block_n))
-        kernel_ms = time_ms(lambda: call(index))
-        delta_ms = time_ms(lambda: det.attention_delta(out, do))
-        runs = [call(det.build_inverse_index(routes, s, blocks.block_n)) for _ in range(3)]
-        pairs = int(index.start[-1])
-        total = index_ms + kernel_ms + delta_ms
-        result = dict(index_ms=index_ms, kernel_ms=kernel_ms, delta_ms=delta_ms, dk_dv_total_ms=total,
-                      bitwise_equal_3_runs=bitwise_equal(runs), pairs=pairs,
-                      inflation=pairs * blocks.block_n / state["n_routes"], dq="not computed (no dQ pass)")
-        base = (record.results.get("default", {}).get("backward") or {}).get("result") or {}
-        if "backward_ms" in base:
-            result["dk_dv_over_default_backward"] = total / base["backward_ms"]
-            for name, a, b in zip(("dk", "dv"), runs[0], state["default"][1:]):
-                result[f"{name}_vs_default"] = relative_error(a, b)
-        return result
-
-    for blocks in kv_configs:
-        name = f"n{blocks.block_n}_m{blocks.block_m}_w{blocks.num_warps}_s{blocks.num_stages}"
-        record.run("kv_owning", name, lambda blocks=blocks: kv_owning(blocks), margin_s=15)
-
     def reference():
         from qsa_torch import reference_sparse_gqa_attention
 
@@ -312,28 +255,16 @@ def verdict(results: dict) -> str:
         return ((results.get(section) or {}).get(name) or {}).get("result") or {}
 
     default, fixed = result("default", "backward"), result("fixed_point", "backward")
-    kv = [r for r in ((e or {}).get("result") for e in (results.get("kv_owning") or {}).values()) if r]
     if "backward_ms" not in default or "backward_ms" not in fixed:
         return "VERDICT not measured (see the entries' errors)"
     ratio = fixed["backward_ms"] / default["backward_ms"]
     parts = [f"fixed point {fixed['backward_ms']:.2f} ms = {ratio:.3f}x the default backward "
              f"{default['backward_ms']:.2f} ms (target <= {TARGET}), bitwise over 3 runs: "
              f"{fixed.get('bitwise_equal_3_runs')}"]
-    best_kv = min(kv, key=lambda r: r["dk_dv_total_ms"]) if kv else None
-    if best_kv:
-        parts.append(f"KV-owning dK/dV alone (no dQ) {best_kv['dk_dv_total_ms']:.2f} ms = "
-                     f"{best_kv['dk_dv_total_ms'] / default['backward_ms']:.3f}x")
     if not fixed.get("bitwise_equal_3_runs"):
-        keep = "neither as measured: the fixed-point gradients were not bitwise equal over 3 runs"
-    elif ratio <= TARGET:
-        keep = "fixed point (meets the target; the KV-owning design would still need a dQ pass)"
-    elif best_kv and best_kv["dk_dv_total_ms"] < fixed["backward_ms"]:
-        gap = fixed["backward_ms"] - best_kv["dk_dv_total_ms"]
-        keep = (f"undecided: the fixed point misses the target; KV-owning wins only with a dQ pass under "
-                f"{gap:.2f} ms")
-    else:
-        keep = "fixed point (misses the target, but KV-owning's dK/dV alone is slower)"
-    return "VERDICT " + "; ".join(parts) + f"; keep: {keep}"
+        parts.append("NOT bitwise equal over 3 runs")
+    parts.append("target met" if ratio <= TARGET else "target missed")
+    return "VERDICT " + "; ".join(parts)
 
 
 def write_markdown(out: str, results: dict) -> None:
@@ -343,7 +274,7 @@ def write_markdown(out: str, results: dict) -> None:
 
     setup = result("setup", "problem")
     default, fixed = result("default", "backward"), result("fixed_point", "backward")
-    lines = ["# Deterministic backwards probe", "", f"setup: `{setup}`", "",
+    lines = ["# Deterministic backward probe", "", f"setup: `{setup}`", "",
              "| backward | ms | / default | bitwise | notes |", "|---|---|---|---|---|"]
     base = default.get("backward_ms")
 
@@ -359,13 +290,6 @@ def write_markdown(out: str, results: dict) -> None:
                  f"{ratio(fixed.get('backward_ms'))} | {fixed.get('bitwise_equal_3_runs')} | maxima "
                  f"{ms(fixed.get('maxima_ms'))} ms, conversion {ms(fixed.get('convert_ms'))} ms, kernel "
                  f"{ms(fixed.get('kernel_ms'))} ms {fixed.get('error') or ''} |")
-    for name in (results.get("kv_owning") or {}):
-        r = result("kv_owning", name)
-        inflation = r.get("inflation")
-        lines.append(f"| KV-owning dK/dV only (no dQ), {name} | {ms(r.get('dk_dv_total_ms'))} | "
-                     f"{ratio(r.get('dk_dv_total_ms'))} | {r.get('bitwise_equal_3_runs')} | index "
-                     f"{ms(r.get('index_ms'))} ms, kernel {ms(r.get('kernel_ms'))} ms, delta "
-                     f"{ms(r.get('delta_ms'))} ms, inflation {ms(inflation)} {r.get('error') or ''} |")
     lines += ["", f"errors: `{result('reference_fp32', 'errors')}`", "", results.get("verdict", "")]
     with open(os.path.join(out, "probe_deterministic.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
