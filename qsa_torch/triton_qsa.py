@@ -35,7 +35,7 @@ import torch
 
 from qsa_triton.config import DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, BlockSizes
 from qsa_triton.config import default_block_sizes as _table
-from qsa_triton.plan import Plan, make_plan, union_recipe
+from qsa_triton.plan import Plan, make_plan
 
 from . import _triton_launch
 from ._triton_autograd import TritonQSA
@@ -170,9 +170,18 @@ def _unions_of(query, key, union, count, rowbits, top_k: int, plan: Plan) -> Til
     return TileUnions(union, count, rowbits, plan.rows_per_tile)
 
 
-def _union_shapes(plan: Plan, bsz: int, s_q: int, top_k: int, kv_length: int):
-    sort, cut = union_recipe(plan, s_q, top_k, kv_length, bsz)
-    n_tiles, width = (cut.n_sub, cut.width) if cut is not None else (sort.n_groups, sort.width)
+def _union_shapes(plan: Plan, bsz, s_q, top_k: int, kv_length):
+    """The unions' shapes as :func:`qsa_triton.plan.union_recipe` builds them, in arithmetic
+    that stays symbolic under torch.compile (ceil-division and ``torch.sym_min`` only: the
+    sort-key plan's bit lengths would pin S_q, S_kv and B to one value, so every new shape
+    would compile again). Unions are ``T * K`` IDs wide at most, and never wider than S_kv
+    (a cut keeps the parent's width bound)."""
+    if plan.flat:
+        n_tiles = -(-s_q * plan.group // plan.fwd_heads)
+        rows = plan.rows_per_tile  # the span of a program (a cut from taller tiles keeps it)
+    else:
+        n_tiles, rows = -(-s_q // plan.rows_per_tile), plan.rows_per_tile
+    width = torch.sym_min(rows * top_k, kv_length)
     return [((bsz, n_tiles, width), torch.int32), ((bsz, n_tiles), torch.int32), ((bsz, n_tiles, width), torch.int32)]
 
 

@@ -512,6 +512,29 @@ def test_auto_fallback_from_the_triton_pair_skips_triton_everywhere(rng, monkeyp
 
 
 @needs_interpreter
+def test_triton_pair_compiles_once_for_varying_batch_and_length(rng, monkeypatch):
+    """torch.compile over a new (B, S) every step, as training on packed or ragged batches
+    does: the Triton pair's fake (its residuals' shapes) stays symbolic in B, S_q and S_kv,
+    so dynamo's automatic dynamic shapes settle after a few recompiles (B, S, and B = 1,
+    which dynamo always specializes, with dynamic S) instead of compiling every shape
+    until its recompile limit (8) fails the call."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setitem(api.PREFERENCE, "cpu", ("triton",))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: api.sparse_gqa_attention(*a), fullgraph=True, backend="aot_eager")
+    before = counters["stats"]["unique_graphs"]
+    shapes = [(1, 16), (2, 16), (1, 24), (1, 40), (2, 48), (3, 56), (1, 72), (2, 80), (1, 88), (2, 96), (1, 104),
+              (3, 120)]
+    for bsz, seq in shapes:
+        routes = rng.integers(-1, seq, (bsz, seq, 6)).astype(np.int64)
+        q, k, v, do = random_inputs(rng, routes, seq, (6, 2), 16, "float32")
+        got = run_torch(lambda *a: compiled(*a), q, k, v, routes, 0.3, do, "float32")
+        _assert_matches_oracle(got, q, k, v, routes, 0.3, do)
+    assert counters["stats"]["unique_graphs"] - before <= 4
+
+
+@needs_interpreter
 def test_triton_pair_logs_its_run_and_gives_a_deterministic_backward(rng, monkeypatch, caplog):
     """Under torch.use_deterministic_algorithms ``auto`` keeps picking the Triton pair, whose
     backward (the fixed-point one, read when the backward runs) gives the oracle's gradients

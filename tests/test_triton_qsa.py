@@ -401,6 +401,38 @@ def test_flat_programs_sorted_per_program_against_the_oracle(heads):
     _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks, rng, 0.3)
 
 
+def test_plan_refuses_the_backward_tiling_that_reads_past_shared_memory():
+    """128-pair backward programs at D = 256 over 32-ID chunks read past their shared memory
+    in a tl.dot (compute-sanitizer on the H200, Triton 3.6): refused with the reason;
+    the tuned 64-ID chunks and smaller programs plan as before."""
+    from qsa_triton.config import DEFAULT_BLOCK_SIZES
+
+    with pytest.raises(ValueError, match="backward_block_k >= 64"):
+        make_plan(12, 256, dataclasses.replace(DEFAULT_BLOCK_SIZES, backward_block_k=32))
+    assert make_plan(12, 256, DEFAULT_BLOCK_SIZES).flat
+    assert make_plan(12, 128, dataclasses.replace(DEFAULT_BLOCK_SIZES, backward_block_k=32)).flat
+    assert make_plan(12, 256, dataclasses.replace(DEFAULT_BLOCK_SIZES, block_m=64, backward_block_k=32)).flat
+
+
+@pytest.mark.parametrize("group", [1, 3, 6, 12])
+def test_residual_shapes_are_the_union_recipes(group):
+    """The fake implementation's union shapes (plain ceil-division and ``sym_min``, so they
+    stay symbolic under torch.compile) are those :func:`qsa_triton.plan.union_recipe`
+    builds: padded and flat plans, with and without a cut, K small and large against S_kv."""
+    from qsa_triton.config import DEFAULT_BLOCK_SIZES
+    from qsa_triton.plan import union_recipe
+
+    for blocks in (SMALL, dataclasses.replace(SMALL, block_m=32, flatten_heads=True), DEFAULT_BLOCK_SIZES):
+        plan = make_plan(group, 16, blocks)
+        for bsz, s_q, top_k, s_kv in ((1, 1, 1, 1), (2, 45, 7, 45), (1, 300, 2052, 600), (3, 129, 12, 4096),
+                                      (1, 1000, 5, 40)):
+            sort, cut = union_recipe(plan, s_q, top_k, s_kv, bsz)
+            n_tiles, width = (cut.n_sub, cut.width) if cut is not None else (sort.n_groups, sort.width)
+            want = [((bsz, n_tiles, width), torch.int32), ((bsz, n_tiles), torch.int32),
+                    ((bsz, n_tiles, width), torch.int32)]
+            assert triton_qsa._union_shapes(plan, bsz, s_q, top_k, s_kv) == want, (blocks, bsz, s_q, top_k, s_kv)
+
+
 def test_residual_form_with_a_flat_default(monkeypatch):
     """The custom ops' residual form (forward_with_residuals / residual_shapes /
     backward_from_residuals) under a flat default plan, as on SM90: the residuals have
