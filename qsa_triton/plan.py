@@ -74,6 +74,11 @@ def make_plan(group: int, head_dim: int, blocks: BlockSizes, *, max_grid_y: int 
     limits = dict(max_grid_y=max_grid_y, offset_limit=offset_limit)
     if blocks.flatten_heads and group != g_pad:
         pairs = flat_pairs(blocks.block_m, group, MAX_ROWS_PER_TILE)
+        if pairs >= 128 and head_dim_pad >= 256 and blocks.backward_block_k < 64:
+            # compute-sanitizer on the H200 (Triton 3.6): this backward reads past its shared
+            # memory in a tl.dot (docs/benchmarks.md); refused rather than run
+            raise ValueError(f"backward programs of {pairs} pairs at head dim {head_dim} need "
+                             f"backward_block_k >= 64, got {blocks.backward_block_k}")
         return Plan(next_pow2(flat_span(pairs, group)), group, pairs, pairs, head_dim_pad, blocks, flat=True,
                     **limits)
     heads = min(g_pad, blocks.block_m)
