@@ -5,6 +5,7 @@
 #   call 1 (carry .gpu/a .gpu/install.sh .whl):  bash scripts/gpu/session.sh bench
 #   call 2 (carry .gpu/b .gpu/install.sh .whl):  bash scripts/gpu/session.sh timing
 #   call 3 (no carry needed on a warm machine):  bash scripts/gpu/session.sh correctness
+#   after fixes (carry .whl):                     bash scripts/gpu/session.sh recheck
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -65,6 +66,22 @@ correctness)
   beside sanitize_jax 240 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton,pallas
   beside soak 330 python3 scripts/gpu/soak.py --out "$R/soak" --budget-s 280
   beside sanitize_det 240 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer
+  wait
+  ;;
+recheck)
+  # after fixes to what the three calls above found: the pieces that changed, in one call
+  alone bench 150 python3 -m parity.bench --heads 24:2 --seq-lens 131072 --overlaps 0.8 \
+    --backends triton,jax-triton --time-budget 100 --out "$R/bench"
+  alone probe_deterministic 90 python3 scripts/gpu/probe_deterministic.py --out "$R/probe_deterministic"
+  alone nemo 110 python3 scripts/gpu/bench_nemo_layer.py --out "$R/nemo" --seq-lens 32768 \
+    --variants qsa_torch flex --time-budget 80
+  beside gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_deterministic.py \
+    tests/test_jax_triton.py tests/test_flex_qsa.py tests/test_nemo_automodel_integration.py tests/test_torch_api.py
+  beside soak 200 python3 scripts/gpu/soak.py --out "$R/soak" --budget-s 180
+  beside sanitize_triton 200 compute-sanitizer --tool memcheck --print-limit 30 \
+    python3 scripts/gpu/check_triton.py --sanitizer-probe
+  beside sanitize_jax 200 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton
+  beside sanitize_det 200 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer
   wait
   ;;
 esac
