@@ -70,18 +70,18 @@ correctness)
   ;;
 recheck)
   # after fixes to what the three calls above found: the pieces that changed, in one call
-  alone bench 150 python3 -m parity.bench --heads 24:2 --seq-lens 131072 --overlaps 0.8 \
-    --backends triton,jax-triton --time-budget 100 --out "$R/bench"
-  alone probe_deterministic 90 python3 scripts/gpu/probe_deterministic.py --out "$R/probe_deterministic"
-  alone nemo 110 python3 scripts/gpu/bench_nemo_layer.py --out "$R/nemo" --seq-lens 32768 \
-    --variants qsa_torch flex --time-budget 80
-  beside gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_deterministic.py \
+  alone bench 130 python3 -m parity.bench --heads 24:2 --seq-lens 131072 --overlaps 0.8 \
+    --backends triton,jax-triton --time-budget 85 --out "$R/bench"
+  alone probe_deterministic 80 python3 scripts/gpu/probe_deterministic.py --out "$R/probe_deterministic"
+  alone nemo 100 python3 scripts/gpu/bench_nemo_layer.py --out "$R/nemo" --seq-lens 32768 \
+    --variants qsa_torch flex --time-budget 70
+  beside gpu_tests 170 python3 -m pytest -q -p no:cacheprovider tests/test_triton_deterministic.py \
     tests/test_jax_triton.py tests/test_flex_qsa.py tests/test_nemo_automodel_integration.py tests/test_torch_api.py
-  beside soak 200 python3 scripts/gpu/soak.py --out "$R/soak" --budget-s 180
-  beside sanitize_triton 200 compute-sanitizer --tool memcheck --print-limit 30 \
+  beside soak 170 python3 scripts/gpu/soak.py --out "$R/soak" --budget-s 150
+  beside sanitize_triton 170 compute-sanitizer --tool memcheck --print-limit 30 \
     python3 scripts/gpu/check_triton.py --sanitizer-probe
-  beside sanitize_jax 200 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton
-  beside sanitize_det 200 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer
+  beside sanitize_jax 170 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton --timeout-s 160
+  beside sanitize_det 170 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer --sanitizer-timeout 160
   wait
   ;;
 esac
