@@ -203,6 +203,12 @@ def test_deterministic_gradients_equal_torch_bit_for_bit(layout, heads, blocks):
         np.testing.assert_array_equal(g, t.grad.cpu().view(torch.uint16).numpy(), err_msg=name)
 
 
+def _on_cpu(x):
+    """``x`` on the host: these tests check host-side logic against torch's CPU path,
+    also on a machine whose default JAX device is a GPU."""
+    return jax.device_put(x, jax.devices("cpu")[0])
+
+
 def test_deterministic_input_maxima_match_torch():
     """MAXIMA (max|q|, max|do|, max|v| over finite rows) are the same fp32 bits in both
     frameworks: a NaN/inf V row is skipped, a NaN in q or do propagates."""
@@ -214,7 +220,7 @@ def test_deterministic_input_maxima_match_torch():
     v[0, 2, 1, 3], v[0, 4, 0, 0] = np.inf, np.nan
     q[0, 1, 2, 3] = -1e30
     for do_case in (do, np.where(np.arange(8) == 5, np.nan, do).astype(np.float32)):
-        got = np.asarray(jt.input_maxima(*(jnp.asarray(x, jnp.bfloat16) for x in (q, do_case, v))))
+        got = np.asarray(jt.input_maxima(*(_on_cpu(jnp.asarray(x, jnp.bfloat16)) for x in (q, do_case, v))))
         want = _triton_launch.input_maxima(*(torch.tensor(x, dtype=torch.bfloat16) for x in (q, do_case, v)))
         np.testing.assert_array_equal(got.view(np.uint32), want.numpy().view(np.uint32))
         assert got[0] == np.float32(torch.tensor(-1e30, dtype=torch.bfloat16).abs().item())
@@ -228,7 +234,7 @@ def test_deterministic_dispatch(monkeypatch):
     from qsa_jax import attention as dispatch
     from qsa_jax import pallas_qsa, sparse_gqa_attention
 
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 6, 2, 16)), jnp.float32)
+    x = _on_cpu(jnp.asarray(np.random.default_rng(0).standard_normal((1, 6, 2, 16)), jnp.float32))
     routes = np.array([[[0, 1], [1, -1], [2, 0], [3, 5], [-1, -1], [4, 2]]])
     seen = []
     monkeypatch.setattr(jt, "triton_sparse_gqa_attention",
@@ -286,8 +292,8 @@ def test_launches_and_plans_match_torch():
     contiguous torch tensors)."""
     from qsa_torch import triton_qsa as tt
 
-    q = jnp.zeros((2, 40, 12, 256), jnp.bfloat16)
-    kv = jnp.zeros((2, 40, 1, 256), jnp.bfloat16)
+    q = _on_cpu(jnp.zeros((2, 40, 12, 256), jnp.bfloat16))
+    kv = _on_cpu(jnp.zeros((2, 40, 1, 256), jnp.bfloat16))
     tq, tkv = torch.zeros(2, 40, 12, 256, dtype=torch.bfloat16), torch.zeros(2, 40, 1, 256, dtype=torch.bfloat16)
     blocks = tt.DEFAULT_BLOCK_SIZES
     assert jt.plan_for(q, kv, blocks) == tt.make_plan(12, 256, blocks)
