@@ -40,7 +40,6 @@ for m in ("torch", "triton", "jax", "flax", "jax_triton", "flash_attn.cute", "ne
     except Exception as e:
         print(m, "unavailable:", e)
 PY
-git log -1 --format='commit %H %s' > "$R/commit.log" 2>/dev/null || true
 case $phase in
 bench)
   alone bench 430 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
