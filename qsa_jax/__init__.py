@@ -1,9 +1,11 @@
 """QSA for JAX: route-sparse grouped-query attention.
 
 ``reference_sparse_gqa_attention`` (also ``reference``) is the gather-based
-XLA reference and runs on any device. Pallas kernels import their Triton
-lowering on first use only, so importing this package needs nothing but jax
-and numpy.
+XLA reference and runs on any device. ``sparse_gqa_attention`` picks an
+implementation: on CUDA the ``qsa_triton`` kernels through jax-triton
+(``"triton"``), then Pallas, then the reference. jax-triton, triton and Pallas'
+Triton lowering are imported on first use only, so importing this package needs
+nothing but jax and numpy.
 
 Layers: :mod:`qsa_jax.qwen3_8_flash_next` is the Flax nnx port of
 Qwen3.8-Flash-Next's QSA attention layer (imported on demand; it needs flax),
