@@ -66,8 +66,7 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     # SM100 / SM103 (Blackwell): nothing is verified there yet; cuDNN, whose numerics were
     # never checked on any GPU, goes behind the portable kernels (see VERIFIED).
     "sm100": ("triton", "flex", "cudnn"),
-    # Hopper: measured 2026-11-30, fourth session (docs/benchmarks.md), fwd+bwd at
-    # S=8192 / 32768: triton 8.34 / 38.8 ms, fa4 23.8 / 334 ms, flex 40.3 / 552 ms.
+    # Hopper: ordered by forward+backward time on the H200 (docs/benchmarks.md)
     "sm90": ("triton", "fa4", "flex"),
     "cuda": ("triton", "flex"),  # other CUDA GPUs
     "cpu": ("reference",),  # CPU and any other device
@@ -163,7 +162,7 @@ def _find_module(name: str) -> bool:
 
 # Whether each optional runtime is installed, looked up once here (find_spec imports
 # nothing but parent packages, all already loaded): dynamo cannot trace importlib (a
-# graph break in "auto" under torch.compile on the H200, torch 2.11), a dict it can.
+# graph break in "auto" under torch.compile with torch 2.11), a dict it can.
 _RUNTIME_PRESENT: dict[str, bool] = {runtime: _find_module(runtime) for runtime in _RUNTIME.values()}
 
 
