@@ -79,7 +79,7 @@ def forward_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, o_ref, l
         jnp.zeros((m_rows,), jnp.float32),
     )
     acc, m_i, l_i = jax.lax.fori_loop(0, n_chunks, body, init)
-    has = l_i > 0
+    has = l_i != 0  # 0 exactly without routes; NaN (a NaN met on the way) counts as routed
     o_ref[...] = jnp.where(has[:, None], acc / jnp.where(has, l_i, 1.0)[:, None], 0.0).astype(
         o_ref.dtype
     )
@@ -93,10 +93,14 @@ def backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, union_ref, 
     m_rows = geo.block_m
     rows_of = _rows_of(geo)
     cols = jnp.arange(geo.head_dim_pad)[None, :]
-    q = q_ref[...]
-    do = do_ref[...]
     lse = lse_ref[...]
-    delta = delta_ref[...]
+    # a row without routes (LSE +inf; a NaN LSE is a routed row that met a NaN) adds
+    # nothing to any gradient: whatever its q, dO and delta hold is replaced by zeros, so
+    # no 0 * NaN reaches dK/dV
+    routed = lse != jnp.inf
+    q = jnp.where(routed[:, None], q_ref[...], 0).astype(q_ref.dtype)
+    do = jnp.where(routed[:, None], do_ref[...], 0).astype(do_ref.dtype)
+    delta = jnp.where(routed, delta_ref[...], 0.0)
     n_chunks = pl.cdiv(count_ref[0], geo.block_k)
 
     def body(c, dq):

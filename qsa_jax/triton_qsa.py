@@ -58,14 +58,20 @@ def _forward(q, k, v, routes, scale, plan, launcher):
     return out["O"], out["LSE"], unions
 
 
-def input_maxima(q, do, v):
-    """MAXIMA of the deterministic backward: f32 ``[3]``, max|q|, max|do| and max|v| over
-    the rows ``[b, j, g, :]`` whose own maximum is finite (``qsa_torch`` computes the same
-    bits: maxima round nothing)."""
+def input_maxima(q, do, v, lse):
+    """MAXIMA of the deterministic backward: f32 ``[3]``, max|q| and max|do| over the
+    (row, head) pairs with routes (``lse`` ``[B, Hq, S_q]`` not +inf: the backward never reads
+    the others), max|v| over the rows ``[b, j, g, :]`` whose own maximum is finite
+    (``qsa_torch`` computes the same bits: maxima round nothing)."""
+    routed = (lse != jnp.inf).transpose(0, 2, 1)
+
+    def largest_routed(x):
+        rows = jnp.max(jnp.abs(x), axis=-1)
+        return jnp.max(jnp.where(routed, rows, jnp.zeros_like(rows))).astype(jnp.float32)
+
     rows = jnp.max(jnp.abs(v), axis=-1)
     finite_rows = jnp.where(jnp.isfinite(rows), rows, jnp.zeros_like(rows))
-    return jnp.stack([jnp.max(jnp.abs(q)).astype(jnp.float32), jnp.max(jnp.abs(do)).astype(jnp.float32),
-                      jnp.max(finite_rows).astype(jnp.float32)])
+    return jnp.stack([largest_routed(q), largest_routed(do), jnp.max(finite_rows).astype(jnp.float32)])
 
 
 def _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher, deterministic):
@@ -77,7 +83,7 @@ def _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher, deter
                                   tuple(union.shape), scale, jnp.dtype(q.dtype).name,
                                   interpreted=launcher.interpreted, deterministic=deterministic)
     # MAXIMA is read by the deterministic kernel only (LSE stands in for it otherwise)
-    maxima = input_maxima(q, do, v) if deterministic else lse
+    maxima = input_maxima(q, do, v, lse) if deterministic else lse
     grads = launcher(launch, dict(Q=q, K=k, V=v, O=out, DO=do, LSE=lse, UNION=union, COUNT=count, ROWBITS=rowbits,
                                   MAXIMA=maxima))
     if not deterministic:
@@ -176,8 +182,10 @@ def triton_sparse_gqa_attention(query, key, value, selected_token_ids, softmax_s
 
     Returns:
         ``[B, S_q, Hq, D]`` in query's dtype; rows without routes are exactly 0 and add
-        nothing to any gradient. dQ is bitwise reproducible; dK/dV only with
-        ``deterministic``.
+        nothing to any gradient, whatever their query holds. dQ is bitwise reproducible;
+        dK/dV only with ``deterministic``. A non-finite K/V row that one row of a program
+        routes to reaches that program's other rows (0 * NaN in P @ V); rows of other
+        programs are unaffected.
 
     Raises:
         TypeError / ValueError: the contract's input checks.

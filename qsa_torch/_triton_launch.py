@@ -108,19 +108,26 @@ def forward(q, k, v, unions, scale: float, plan: Plan):
     return outputs["O"], outputs["LSE"]
 
 
-def input_maxima(query: torch.Tensor, grad_out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """MAXIMA of the deterministic backward: fp32 ``[3]``, max|query|, max|grad_out| and
-    max|value| over the rows ``[b, j, g, :]`` whose own maximum is finite (NaN/inf if
-    query or grad_out holds one). Maxima round nothing, so these are the bits
-    ``qsa_jax`` computes too. No temporaries of the inputs' size."""
-    def largest(x):
-        lo, hi = torch.aminmax(x)
-        return torch.maximum(-lo, hi).float()
+def input_maxima(query: torch.Tensor, grad_out: torch.Tensor, value: torch.Tensor,
+                 lse: torch.Tensor) -> torch.Tensor:
+    """MAXIMA of the deterministic backward: fp32 ``[3]``, max|query| and max|grad_out| over
+    the (row, head) pairs with routes (``lse`` ``[B, Hq, S_q]`` not +inf: the backward never
+    reads the others; NaN/inf if a routed one holds one), and max|value| over the rows
+    ``[b, j, g, :]`` whose own maximum is finite. Maxima round nothing, so these are the
+    bits ``qsa_jax`` computes too. Temporaries of one value per row and head only."""
+    routed = (lse != float("inf")).transpose(1, 2)
 
-    lo, hi = torch.aminmax(value, dim=-1)
-    rows = torch.maximum(-lo, hi)
+    def row_maxima(x):
+        lo, hi = torch.aminmax(x, dim=-1)
+        return torch.maximum(-lo, hi)
+
+    def largest_routed(x):
+        rows = row_maxima(x)
+        return torch.where(routed, rows, torch.zeros_like(rows)).amax().float()
+
+    rows = row_maxima(value)
     finite_rows = torch.where(torch.isfinite(rows), rows, torch.zeros_like(rows))
-    return torch.stack([largest(query), largest(grad_out), finite_rows.amax().float()])
+    return torch.stack([largest_routed(query), largest_routed(grad_out), finite_rows.amax().float()])
 
 
 def backward(q, k, v, out, lse, grad_out, unions, scale: float, plan: Plan, *, deterministic: bool = False):
@@ -137,7 +144,7 @@ def backward(q, k, v, out, lse, grad_out, unions, scale: float, plan: Plan, *, d
 
     lse = lse.contiguous()
     # MAXIMA is read by the deterministic kernel only (LSE stands in for it otherwise)
-    maxima = input_maxima(q, grad_out, v) if deterministic else lse
+    maxima = input_maxima(q, grad_out, v, lse) if deterministic else lse
     arrays = dict(Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, UNION=unions.union, COUNT=unions.count,
                   ROWBITS=unions.rowbits, MAXIMA=maxima)
     outputs = _run_fitting(build, plan, True, arrays, q.device)

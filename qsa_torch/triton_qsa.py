@@ -124,9 +124,12 @@ def triton_sparse_gqa_attention(
 
     Returns:
         ``[B, S_q, Hq, D]`` in query's dtype. Rows without routes are exactly 0 and
-        add nothing to any gradient. Gradients reach query, key and value; dQ is
-        bitwise reproducible, dK/dV in deterministic mode only. There a non-finite
-        value met by the backward makes all of dK/dV NaN (``qsa_triton.fixed_point``).
+        add nothing to any gradient, whatever their query holds. Gradients reach query,
+        key and value; dQ is bitwise reproducible, dK/dV in deterministic mode only.
+        There a non-finite value met by the backward makes all of dK/dV NaN
+        (``qsa_triton.fixed_point``). A non-finite K/V row that one row of a program
+        routes to reaches that program's other rows (0 * NaN in P @ V); rows of other
+        programs are unaffected.
 
     Raises:
         TypeError / ValueError: the contract's input checks; ValueError also for D >

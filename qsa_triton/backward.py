@@ -102,6 +102,12 @@ def qsa_backward_kernel(
     tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask, count = program_tile(
         COUNT, B, S_q, N_TILES, HKV, G, D, N_CHUNKS, HB, T, D_PAD, FLAT, FOLD)
 
+    lse = tl.load(LSE + b64 * sl_b + head * sl_h + row64 * sl_s, mask=row_ok, other=float("inf"))
+    lse_log2 = lse * LOG2E_C
+    # a row without routes (LSE +inf; a NaN LSE is a routed row that met a NaN) adds
+    # nothing to any gradient: its q and dO are not read, so whatever they hold cannot
+    # reach dK/dV through 0 * NaN
+    io_mask = io_mask & (lse != float("inf"))[:, None]
     q = tl.load(Q + b64 * sq_b + row64[:, None] * sq_s + head[:, None] * sq_h + d[None, :] * sq_d,
                 mask=io_mask, other=0.0)
     do = tl.load(DO + b64 * sdo_b + row64[:, None] * sdo_s + head[:, None] * sdo_h
@@ -109,8 +115,6 @@ def qsa_backward_kernel(
     o = tl.load(O + b64 * so_b + row64[:, None] * so_s + head[:, None] * so_h + d[None, :] * so_d,
                 mask=io_mask, other=0.0)
     delta = tl.reduce(do.to(tl.float32) * o.to(tl.float32), 1, SUM)
-    lse = tl.load(LSE + b64 * sl_b + head * sl_h + row64 * sl_s, mask=row_ok, other=float("inf"))
-    lse_log2 = lse * LOG2E_C
 
     tile_base = (b64 * N_TILES + tile) * UNION_WIDTH
     k_base = K + b64 * sk_b + g64 * sk_h

@@ -88,7 +88,9 @@ def qsa_forward_kernel(
                 start, count, q, t, row_ok, d, d_ok, m_i, l_i, acc, UNION + tile_base, ROWBITS + tile_base,
                 k_base, v_base, sk_s, sk_d, sv_s, sv_d, scale_log2, BLOCK_K, IEEE, INTERPRET, EVEN_D, OFFS32)
 
-    has = l_i > 0.0
+    # l_i is 0 exactly for a row without routes and at least 1 otherwise; NaN (a NaN
+    # met on the way) counts as routed, so its LSE is NaN, never +inf (no routes)
+    has = l_i != 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     o_ptr = O + b64 * so_b + row64[:, None] * so_s + head[:, None] * so_h + d[None, :] * so_d
     tl.store(o_ptr, cast(out, O.dtype.element_ty, INTERPRET), mask=io_mask)

@@ -150,3 +150,21 @@ class UnroutedRowsIsolated:
             if name in ("dk", "dv"):  # the poisoned row's own gradient is not defined
                 g, w = g[:, 1:], w[:, 1:]
             assert relative_error(g, w) < TOLERANCE[dtype], f"{name} saw the unrouted NaN/inf row"
+
+    def test_query_rows_without_routes_add_nothing_whatever_they_hold(self, rng):
+        """A query row without routes contributes exactly zero to every gradient, even where
+        its q and dO hold NaN/inf (a padding row's garbage): out and dq of the row are 0 and
+        dk/dv equal the oracle's on clean inputs."""
+        heads, dtype = self.heads[0], self.dtypes[0]
+        problem = make_problem("packed", self.families[0], seed=int(rng.integers(2**31)),
+                               seq_len=self.seq_len, top_k=self.top_k)
+        routes = problem.routes.copy()
+        routes[:, 1] = -1  # query row 1 has no routes
+        q, k, v, do = random_inputs(rng, routes, problem.kv_length, heads, self.head_dim, dtype)
+        q[:, 1, 0, 0], do[:, 1, -1, -1] = np.nan, np.inf
+        got = self.run(q, k, v, routes, 0.5, do, dtype)
+        q[:, 1], do[:, 1] = 0.0, 0.0
+        want = oracle_forward_backward(q, k, v, routes, 0.5, do)
+        assert np.all(got[0][:, 1] == 0) and np.all(got[1][:, 1] == 0), "the row without routes is not zero"
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            assert relative_error(g, w) < TOLERANCE[dtype], f"{name} saw the NaN/inf of a row without routes"

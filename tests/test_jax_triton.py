@@ -210,8 +210,9 @@ def _on_cpu(x):
 
 
 def test_deterministic_input_maxima_match_torch():
-    """MAXIMA (max|q|, max|do|, max|v| over finite rows) are the same fp32 bits in both
-    frameworks: a NaN/inf V row is skipped, a NaN in q or do propagates."""
+    """MAXIMA (max|q| and max|do| over routed (row, head) pairs, max|v| over finite rows)
+    are the same fp32 bits in both frameworks: a NaN/inf V row is skipped, a NaN in a
+    routed q or do propagates, a NaN in a pair without routes (LSE +inf) is ignored."""
     from qsa_torch import _triton_launch
 
     rng = _fresh_rng()
@@ -219,12 +220,18 @@ def test_deterministic_input_maxima_match_torch():
     v = rng.standard_normal((1, 6, 2, 8)).astype(np.float32)
     v[0, 2, 1, 3], v[0, 4, 0, 0] = np.inf, np.nan
     q[0, 1, 2, 3] = -1e30
+    lse = rng.standard_normal((1, 4, 5)).astype(np.float32)
+    lse[0, :, 3] = np.inf  # row 3 has no routes
+    q[0, 3, 0, 0] = np.nan  # never read by the backward
     for do_case in (do, np.where(np.arange(8) == 5, np.nan, do).astype(np.float32)):
-        got = np.asarray(jt.input_maxima(*(_on_cpu(jnp.asarray(x, jnp.bfloat16)) for x in (q, do_case, v))))
-        want = _triton_launch.input_maxima(*(torch.tensor(x, dtype=torch.bfloat16) for x in (q, do_case, v)))
+        args = (q, do_case, v)
+        got = np.asarray(jt.input_maxima(*(_on_cpu(jnp.asarray(x, jnp.bfloat16)) for x in args),
+                                         _on_cpu(jnp.asarray(lse))))
+        want = _triton_launch.input_maxima(*(torch.tensor(x, dtype=torch.bfloat16) for x in args),
+                                           torch.from_numpy(lse))
         np.testing.assert_array_equal(got.view(np.uint32), want.numpy().view(np.uint32))
         assert got[0] == np.float32(torch.tensor(-1e30, dtype=torch.bfloat16).abs().item())
-        assert np.isfinite(got[2]) and (np.isnan(got[1]) == bool(np.isnan(do_case).any()))
+        assert np.isfinite(got[2]) and (np.isnan(got[1]) == bool(np.isnan(do_case[:, [0, 1, 2, 4]]).any()))
 
 
 def test_deterministic_dispatch(monkeypatch):

@@ -215,8 +215,8 @@ def probe(record: Record, seq_len: int, smoke: bool) -> None:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         total = time_ms(lambda: backward(True))
-        maxima = _triton_launch.input_maxima(q, do, v)
-        maxima_ms = time_ms(lambda: _triton_launch.input_maxima(q, do, v))
+        maxima = _triton_launch.input_maxima(q, do, v, lse)
+        maxima_ms = time_ms(lambda: _triton_launch.input_maxima(q, do, v, lse))
         plan = make_plan(hq // hkv, d, triton_qsa.default_block_sizes(q.device, d, q.dtype))
         convert = spec.fixed_point_launch(tuple(k.shape), "bfloat16", scale, s * plan.group,
                                           interpreted=_triton_launch.interpreted())
