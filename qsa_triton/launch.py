@@ -22,7 +22,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from .plan import CutStep, Plan, SortStep, fold_grid, offsets_fit_int32
+from .plan import CutStep, Plan, SortStep, fold_grid, min_backward_block_k, offsets_fit_int32
 
 __all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES",
            "LOG2E", "FIXED_POINT_BLOCK", "fp32", "contiguous_strides", "attempts", "forward_launch",
@@ -103,7 +103,8 @@ def attempts(plan: Plan, backward: bool) -> list[Attempt]:
     heads = plan.bwd_heads if backward else plan.fwd_heads
     block_k, stages = (b.backward_block_k, b.backward_num_stages) if backward else (b.block_k, b.num_stages)
     head_options = [heads] if plan.flat else [h for h in (heads, heads // 2, heads // 4) if h >= 1 and rows * h >= 16]
-    chunk_options = [(block_k, stages), (block_k, 1)] + [(bk, 1) for bk in (block_k // 2, block_k // 4) if bk >= 16]
+    least = min_backward_block_k(plan.bwd_heads, plan.head_dim_pad) if backward and plan.flat else 16
+    chunk_options = [(block_k, stages), (block_k, 1)] + [(bk, 1) for bk in (block_k // 2, block_k // 4) if bk >= least]
     return list(dict.fromkeys(Attempt(h, bk, st) for h in head_options for bk, st in chunk_options))
 
 

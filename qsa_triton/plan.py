@@ -74,11 +74,10 @@ def make_plan(group: int, head_dim: int, blocks: BlockSizes, *, max_grid_y: int 
     limits = dict(max_grid_y=max_grid_y, offset_limit=offset_limit)
     if blocks.flatten_heads and group != g_pad:
         pairs = flat_pairs(blocks.block_m, group, MAX_ROWS_PER_TILE)
-        if pairs >= 128 and head_dim_pad >= 256 and blocks.backward_block_k < 64:
-            # compute-sanitizer on the H200 (Triton 3.6): this backward reads past its shared
-            # memory in a tl.dot (docs/benchmarks.md); refused rather than run
+        least = min_backward_block_k(pairs, head_dim_pad)
+        if blocks.backward_block_k < least:
             raise ValueError(f"backward programs of {pairs} pairs at head dim {head_dim} need "
-                             f"backward_block_k >= 64, got {blocks.backward_block_k}")
+                             f"backward_block_k >= {least}, got {blocks.backward_block_k}")
         return Plan(next_pow2(flat_span(pairs, group)), group, pairs, pairs, head_dim_pad, blocks, flat=True,
                     **limits)
     heads = min(g_pad, blocks.block_m)
@@ -95,6 +94,14 @@ def make_plan(group: int, head_dim: int, blocks: BlockSizes, *, max_grid_y: int 
         bwd_heads *= 2
     return Plan(rows, group, heads, bwd_heads, head_dim_pad, blocks,
                 bwd_rows=0 if bwd_rows == rows else bwd_rows, **limits)
+
+
+def min_backward_block_k(pairs: int, head_dim_pad: int) -> int:
+    """The narrowest union chunk a flat backward of ``pairs`` pairs may take: 64 IDs for
+    128+ pairs at a padded head dim of 256, whose backward over narrower chunks reads past
+    its shared memory in a ``tl.dot`` under Triton 3.6 (compute-sanitizer,
+    docs/benchmarks.md); 16 otherwise."""
+    return 64 if pairs >= 128 and head_dim_pad >= 256 else 16
 
 
 def flat_span(pairs: int, group: int) -> int:

@@ -412,6 +412,9 @@ def test_plan_refuses_the_backward_tiling_that_reads_past_shared_memory():
     assert make_plan(12, 256, DEFAULT_BLOCK_SIZES).flat
     assert make_plan(12, 128, dataclasses.replace(DEFAULT_BLOCK_SIZES, backward_block_k=32)).flat
     assert make_plan(12, 256, dataclasses.replace(DEFAULT_BLOCK_SIZES, block_m=64, backward_block_k=32)).flat
+    # nor does the shared-memory fallback ladder step down to it
+    assert {a.block_k for a in spec.attempts(make_plan(12, 256, DEFAULT_BLOCK_SIZES), True)} == {64}
+    assert {a.block_k for a in spec.attempts(make_plan(12, 256, DEFAULT_BLOCK_SIZES), False)} == {64, 32, 16}
 
 
 @pytest.mark.parametrize("group", [1, 3, 6, 12])
