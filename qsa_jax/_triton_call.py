@@ -104,7 +104,7 @@ def sorted_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y:
     chunk = step.keys.per_sort * step.rows * k
     n = keys.shape[0]
     # one 1-D sort per chunk of whole groups: XLA sorts a 1-D array with a radix sort, a
-    # batched [sorts, chunk] one with a comparison sort (3x the forward at S = 131072)
+    # batched [sorts, chunk] one with a comparison sort
     keys = jnp.concatenate([jnp.sort(keys[start:start + chunk]) for start in range(0, n, chunk)])
     merged = launcher(spec.merge_launch(step, bsz, k, interpreted=launcher.interpreted), {"KEYS": keys})
     return merged["UNION"], merged["COUNT"], merged["ROWBITS"]

@@ -128,10 +128,10 @@ def add_fixed(ptr, x, mask, INTERPRET: tl.constexpr):
     with relaxed int64 atomics.
 
     On the GPU the rounding is one pure inline ``cvt.rni.s64.f32`` per element and the add
-    ``tl.atomic_add``, which adds each element once whatever the block's layout. (An inline
-    ``red.global.add.u64`` in the accumulator's layout avoided the layout conversion but
-    added twice wherever that layout holds an element in two threads, as small tiles do:
-    seen on the H200.) The interpreter has no PTX (and no libdevice): there
+    ``tl.atomic_add``, which adds each element once whatever the block's layout (an inline
+    side-effecting add would run once per thread that holds the element, and small tiles'
+    layouts hold elements in several threads). The interpreter has no PTX (and no
+    libdevice): there
     the fp32 adder rounds the same way ((x + 2**23) - 2**23 for 0 <= x < 2**23, the same
     with -2**23 below 0; larger fp32 values are integers already) and ``tl.atomic_add``
     adds; values outside (-2**62, 2**62), NaN included, become 0 there, as numpy's cast of

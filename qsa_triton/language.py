@@ -17,7 +17,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # host-side float
 # kernels may only read globals that are constexpr (or jitted functions)
 LOG2E_C = tl.constexpr(1.4426950408889634)
 LN2_C = tl.constexpr(0.6931471805599453)
