@@ -37,13 +37,14 @@ import time
 
 import numpy as np
 
+from .suite import TOLERANCE
+
 __all__ = ["LayerCase", "SMALL_CONFIG", "default_cases", "run_case", "run_layers", "summary_lines",
            "upstream_missing", "write_section"]
 
 SMALL_CONFIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                     indexer_n_heads=2, indexer_head_dim=32, indexer_budget=32, indexer_compress_ratio=4)
 REAL_CONFIG: dict = {}  # the upstream defaults: hidden 2560, 24/2 heads, D 256, indexer 4 x 128, budget 2048
-TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
 TRAINABLE = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight",
              "k_norm.weight")
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,

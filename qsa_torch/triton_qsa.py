@@ -85,15 +85,12 @@ def _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes=Non
     dims = checked.dims
     if dims.head_dim > _MAX_HEAD_DIM:
         raise ValueError(f"query head dim must be <= {_MAX_HEAD_DIM} for triton_qsa, got {dims.head_dim}")
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
+    plan = _plan(query, key, block_sizes)
     if query.device.type != "cuda" and not _triton_launch.interpreted():
         raise ValueError(
             f"query is on {query.device}: triton_qsa needs CUDA tensors "
             "(CPU tensors only with TRITON_INTERPRET=1 set before triton is imported)"
         )
-    plan = (_default_plan(query, key) if block_sizes is None
-            else make_plan(dims.group_size, dims.head_dim, block_sizes))
     return checked, plan
 
 

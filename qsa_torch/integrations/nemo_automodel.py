@@ -312,11 +312,15 @@ def route_qsa_attention(
         ValueError: no QSA layer in ``model_or_layer``.
         ImportError / RuntimeError: see :func:`use_qsa_torch`.
     """
+    return _route(model_or_layer, dispatch, build_flex_mask, _upstream())
+
+
+def _route(model_or_layer, dispatch, build_flex_mask: bool, upstream: _Upstream) -> AttentionRoute:
+    """:func:`route_qsa_attention` with upstream's layer module already checked."""
     if not isinstance(model_or_layer, torch.nn.Module):
         raise TypeError(f"model_or_layer must be a torch.nn.Module, got {type(model_or_layer).__name__}")
     if not callable(dispatch):
         raise TypeError(f"dispatch must be callable, got {type(dispatch).__name__}")
-    upstream = _upstream()
     targets = [m for m in model_or_layer.modules() if isinstance(m, upstream.layer_class)]
     if not targets:
         raise ValueError(f"{type(model_or_layer).__name__} contains no {_LAYER_CLASS} layer")
@@ -367,7 +371,7 @@ def use_qsa_torch(model_or_layer: torch.nn.Module, backend: str = "auto") -> Att
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     upstream = _upstream()
-    route = route_qsa_attention(model_or_layer, qsa_torch_dispatch(backend, upstream.dispatch))
+    route = _route(model_or_layer, qsa_torch_dispatch(backend, upstream.dispatch), False, upstream)
     logger.info("use_qsa_torch: %d %s layer(s) use qsa_torch.sparse_gqa_attention(backend=%r)",
                 len(route.layers), _LAYER_CLASS, backend)
     return route
