@@ -21,7 +21,8 @@ Variants, all on the same weights and inputs:
   (run first, so that it is measured even if the time budget runs out).
 
 Per variant and S: warm-up steps first (they absorb compilation: upstream's
-``torch.compile`` of flex_attention per shape, FA4's and Triton's JIT), then
+``torch.compile`` of flex_attention per shape, FA4's and Triton's JIT; each one's wall
+seconds are logged and kept as ``warmup_step_s``), then
 
 1. ``step_ms``: median of ``--iters`` steps timed with CUDA events around the whole step,
    the layer exactly as a user runs it (no instrumentation);
@@ -274,9 +275,13 @@ def run_variant(setup: Setup, variant: str, seq: int, inputs, args) -> tuple[dic
     try:
         with routes_for(setup, variant, args, instrumented=False):
             t0 = time.time()
-            for _ in range(args.warmup):
+            result["warmup_step_s"] = []
+            for i in range(args.warmup):
+                step_start = time.time()
                 train_step(layer, x, grad_out, freqs)
-            synchronize(device)
+                synchronize(device)
+                result["warmup_step_s"].append(time.time() - step_start)
+                log(f"S={seq} {variant}: warm-up step {i} took {result['warmup_step_s'][-1]:.1f} s")
             result["warmup_s"] = time.time() - t0
             times = []
             for _ in range(args.iters):
@@ -469,6 +474,8 @@ def run_all(setup: Setup, args, report: dict, started: float) -> None:
                                                       if k in ("step_ms", "peak_gib", "error", "skipped",
                                                                "breakdown_ms")}))
             report["results"].append(entry)
+            with open(os.path.join(args.out, "bench_nemo_layer.json"), "w") as f:  # kept if the run is cut short
+                json.dump(report, f, indent=1)
             if setup.device.type == "cuda":
                 torch.cuda.empty_cache()
         compare(report["results"], seq, captured)

@@ -6,6 +6,9 @@
 #   call 2 (carry .gpu/b .gpu/install.sh .whl):  bash scripts/gpu/session.sh timing
 #   call 3 (no carry needed on a warm machine):  bash scripts/gpu/session.sh correctness
 #   after fixes (carry .whl):                     bash scripts/gpu/session.sh recheck
+#   FA4 in the layer bench (call A: carry .gpu/a .gpu/install.sh .whl, run bash .gpu/install.sh;
+#   call B: carry .gpu/b .gpu/install.sh .whl):  bash scripts/gpu/session.sh fa4
+#   kernels changed since the last timing (warm): bash scripts/gpu/session.sh verify
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -14,7 +17,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing or correctness}
+phase=${1:?bench, timing, correctness, fa4, verify or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -65,6 +68,25 @@ correctness)
   beside sanitize_jax 240 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton,pallas
   beside soak 330 python3 scripts/gpu/soak.py --out "$R/soak" --budget-s 280
   beside sanitize_det 240 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer
+  wait
+  ;;
+fa4)
+  # upstream's cute (FA4) layer beside ours and flex, both S in one run; FA4's first step
+  # JIT-compiles for minutes (needs .gpu/a then .gpu/b installed: carry .gpu/b .gpu/install.sh .whl)
+  alone nemo 520 python3 scripts/gpu/bench_nemo_layer.py --out "$R/nemo" --seq-lens 8192 32768 --time-budget 400
+  ;;
+verify)
+  # the kernels after CPU-only changes: timing alone first, then the GPU tests side by side
+  alone bench 190 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
+    --backends torch-dense-sdpa,triton,jax-triton --time-budget 150 --out "$R/bench"
+  alone unions 110 python3 scripts/gpu/probe_unions.py --out "$R/unions" --budget-s 90
+  beside gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_qsa.py tests/test_triton_deterministic.py \
+    tests/test_jax_triton.py tests/test_torch_api.py tests/test_flex_qsa.py tests/test_pallas_qsa.py
+  beside sanitize_triton 240 compute-sanitizer --tool memcheck --print-limit 30 \
+    python3 scripts/gpu/check_triton.py --sanitizer-probe
+  beside sanitize_det 240 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer --sanitizer-timeout 220
+  beside parity 240 python3 scripts/gpu/run_parity_and_bench.py --out "$R/parity" --skip-bench --skip-api \
+    --budget 210 --parity-args "--backends triton,jax-triton"
   wait
   ;;
 recheck)
