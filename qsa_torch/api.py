@@ -40,11 +40,12 @@ import contextlib
 import importlib
 import importlib.util
 import logging
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from qsa_triton.launch import interprets as _triton_interprets
 
 from .routes import ProblemDims, validate_inputs, warn_unverified
 
@@ -197,8 +198,8 @@ def unsupported_reason(
         return "needs an SM100/SM103 (Blackwell) GPU"
     if name == "cudnn" and route_format != "qsa":
         return "accepts QSA-format routes only (pass route_format='qsa' to allow it)"
-    if name == "triton" and cls == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "needs a CUDA device (or TRITON_INTERPRET=1 on CPU)"
+    if name == "triton" and cls == "cpu" and not _triton_interprets():
+        return "needs a CUDA device (or TRITON_INTERPRET=1 set before its kernels are imported)"
     if name == "flex" and cls == "cpu" and needs_grad:
         return "FlexAttention has no CPU backward"
     if dtype not in spec.dtypes:

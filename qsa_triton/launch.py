@@ -17,6 +17,8 @@ imports triton and the kernels.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -27,7 +29,7 @@ from .plan import CutStep, Plan, SortStep, fold_grid, min_backward_block_k, offs
 __all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES",
            "LOG2E", "FIXED_POINT_BLOCK", "fp32", "contiguous_strides", "attempts", "forward_launch",
            "backward_launch", "fixed_point_bounds", "fixed_point_launch", "keys_launch", "merge_launch",
-           "cut_launch", "kernel", "interpreted"]
+           "cut_launch", "kernel", "interpreted", "interprets"]
 
 LOG2E = 1.4426950408889634
 UNION_BLOCK = 1024  # keys (IDs) per step of the union kernels
@@ -310,3 +312,12 @@ def interpreted() -> bool:
     """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` was set
     before they were first imported)."""
     return type(kernel("forward")).__name__ == "InterpretedFunction"
+
+
+def interprets() -> bool:
+    """:func:`interpreted` without importing triton or the kernels: once they are imported,
+    how they were; before, what their import will see (``TRITON_INTERPRET=1`` now)."""
+    forward = sys.modules.get(f"{__package__}.forward")
+    if forward is None:
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return type(forward.qsa_forward_kernel).__name__ == "InterpretedFunction"

@@ -179,6 +179,42 @@ def test_unsupported_reasons():
     assert reason("flex", dims, cpu, torch.float32, needs_grad=False) is None
 
 
+def test_triton_on_cpu_follows_how_its_kernels_were_imported(monkeypatch):
+    """Triton takes CPU tensors iff its kernels are interpreted: TRITON_INTERPRET decides
+    when they are imported, not later (the reason must not promise kernels that refuse)."""
+    pytest.importorskip("triton")
+    from qsa_common.contract import ProblemDims
+    from qsa_triton import launch
+
+    dims = ProblemDims(1, 16, 16, 4, 2, 32, 8)
+    cpu = torch.device("cpu")
+    interpreted = launch.interpreted()  # imports the kernels as this process's environment says
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if interpreted else "1")  # too late to matter
+    reason = api.unsupported_reason("triton", dims, cpu, torch.float32, needs_grad=True)
+    assert (reason is None) == interpreted, reason
+
+
+@pytest.mark.parametrize("setting", ["1", None])
+def test_triton_interprets_predicts_the_kernels_import(setting):
+    """Before the kernels are imported, ``interprets`` reads TRITON_INTERPRET without
+    importing them, and the import then agrees (a fresh process per setting)."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom qsa_triton import launch\nguess = launch.interprets()\n"
+            "assert 'qsa_triton.forward' not in sys.modules and 'triton' not in sys.modules\n"
+            "assert launch.interpreted() == guess\nprint(guess)\n")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    if setting is not None:
+        env["TRITON_INTERPRET"] = setting
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str(setting == "1")
+
+
 @pytest.mark.parametrize("capability,cls,order", [
     ((9, 0), "sm90", ("triton", "fa4", "flex", "reference")),
     ((10, 3), "sm100", ("triton", "flex", "cudnn", "reference")),
