@@ -236,3 +236,27 @@ def test_overlap_sweep_end_to_end_on_cpu(tmp_path):
     assert by_family["qsa@0.4"]["inflation"]["flat128"] > by_family["qsa@0.9"]["inflation"]["flat128"]
     assert (out / "bench.png").exists() and (out / "bench-overlap.png").exists()
     assert "## Route sets" in (out / "bench.md").read_text()
+
+
+def test_probe_tiles_dry_run(tmp_path):
+    """scripts/gpu/probe_tiles.py end to end on CPU (Triton's interpreter, tiny shapes), so
+    that a GPU session never spends device time on a broken probe: every configuration is
+    measured and agrees with the default's results."""
+    pytest.importorskip("triton")
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "gpu", "probe_tiles.py")
+    done = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--dry-run"], capture_output=True,
+                          text=True, cwd=root, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "probe_tiles.json") as f:
+        report = json.load(f)
+    (section,) = [key for key in report if key.startswith("J=")]
+    entries = report[section]
+    assert set(entries) == {"routes", "default", "flat64", "flat64_k32"}
+    assert all(entry["ok"] for entry in entries.values()), entries
+    for name in ("flat64", "flat64_k32"):
+        result = entries[name]["result"]
+        assert result["inflation"] <= entries["default"]["result"]["inflation"]
+        assert max(result["vs_default"].values()) < 2e-2, result["vs_default"]

@@ -1,0 +1,124 @@
+"""Tile heights across route overlap: torch Triton piece by piece under a few BlockSizes.
+
+    python3 scripts/gpu/probe_tiles.py --out DIR [--seq-len 32768] [--overlaps 0.3 0.6 0.8 0.9]
+        [--configs default flat64 flat64_k32] [--budget-s 240] [--dry-run]
+
+Issue 18 asks whether tile heights chosen from the routes' overlap beat the fixed default:
+at low adjacent-row Jaccard a shorter program walks a less inflated union (its rows share
+more of their routes) but adds dK/dV with twice the atomics per useful flop. Per overlap
+(QSA-format routes from the benchmark's generator, B=1, (24,2), D=256, bf16) and per
+configuration: the inflation of its programs (``qsa_common.route_stats``), CUDA-event
+medians of the unions, the forward kernel and the backward kernel (the public residual
+form of ``qsa_torch.triton_qsa``) and their sum, with the relative difference of out / dq /
+dk / dv from the default configuration's (a wrong configuration must not look fast).
+Writes ``probe_tiles.json`` under ``--out`` after every entry. ``--dry-run`` checks the
+plumbing on CPU in Triton's interpreter (S=48, (6,1), D=32, K=8, one overlap, one call
+timed by the wall clock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_common import Record, cuda_ms, log, relative_error  # noqa: E402
+
+HEADS, HEAD_DIM, TOP_K = (24, 2), 256, 512
+
+
+def configs(names):
+    from qsa_triton.config import DEFAULT_BLOCK_SIZES
+
+    table = {
+        "default": DEFAULT_BLOCK_SIZES,
+        "flat64": dataclasses.replace(DEFAULT_BLOCK_SIZES, block_m=64),
+        "flat64_k32": dataclasses.replace(DEFAULT_BLOCK_SIZES, block_m=64, backward_block_k=32),
+    }
+    unknown = sorted(set(names) - set(table))
+    if unknown:
+        raise SystemExit(f"unknown configurations {unknown}; known: {sorted(table)}")
+    return {name: table[name] for name in names}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seq-len", type=int, default=32768)
+    parser.add_argument("--overlaps", type=float, nargs="+", default=[0.3, 0.6, 0.8, 0.9])
+    parser.add_argument("--configs", nargs="+", default=["default", "flat64", "flat64_k32"])
+    parser.add_argument("--budget-s", type=float, default=240.0)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
+    args = parser.parse_args(argv)
+    chosen = configs(args.configs)
+    heads, head_dim, top_k, device, timer = HEADS, HEAD_DIM, TOP_K, "cuda", cuda_ms
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
+        heads, head_dim, top_k, device, timer = (6, 1), 32, 8, "cpu", _wall_ms
+        args.seq_len, args.overlaps = 48, args.overlaps[:1]
+
+    import torch
+
+    from parity.bench_routes import _make_routes, overlap_label
+    from qsa_common.route_stats import Tiling, route_stats
+    from qsa_torch import triton_qsa
+
+    record = Record(os.path.join(args.out, "probe_tiles.json"), args.budget_s, seq_len=args.seq_len,
+                    heads=heads, head_dim=head_dim, configs={k: dataclasses.asdict(v) for k, v in chosen.items()})
+    hq, hkv = heads
+    group = hq // hkv
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape_q, shape_kv = (1, args.seq_len, hq, head_dim), (1, args.seq_len, hkv, head_dim)
+    q, do = (torch.randn(shape_q, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(shape_kv, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2))
+    scale = head_dim ** -0.5
+    tilings = tuple(Tiling(pairs=p) for p in sorted({b.block_m for b in chosen.values()}))
+    for overlap in args.overlaps:
+        routes_np = _make_routes(args.seq_len, overlap_label(overlap), top_k, 0)
+        routes = torch.from_numpy(routes_np).to(device)
+        section = f"J={overlap}"
+        stats = route_stats(routes_np, args.seq_len, groups=(group,), tilings=tilings,
+                            first_row=min(4 * top_k + 3, args.seq_len - 1))
+        record.run(section, "routes", lambda: {"jaccard": stats["jaccard"], "inflation": stats["inflation"][group]})
+        kept = {}
+        for name, blocks in chosen.items():
+            def measure(name=name, blocks=blocks):
+                with torch.no_grad():
+                    out, lse, *unions = triton_qsa.forward_with_residuals(q, k, v, routes, scale, block_sizes=blocks)
+                    grads = triton_qsa.backward_from_residuals(do, q, k, v, out, lse, *unions, scale, top_k,
+                                                               block_sizes=blocks, deterministic=False)
+                    ms = {
+                        "unions": timer(lambda: triton_qsa.route_unions(q, k, routes, block_sizes=blocks)),
+                        "forward_kernel": timer(lambda: triton_qsa.forward_from_unions(
+                            q, k, v, *unions, scale, top_k, block_sizes=blocks)),
+                        "backward_kernel": timer(lambda: triton_qsa.backward_from_residuals(
+                            do, q, k, v, out, lse, *unions, scale, top_k, block_sizes=blocks,
+                            deterministic=False)),
+                    }
+                kept[name] = (out, *grads)
+                result = {"inflation": stats["inflation"][group][f"flat{blocks.block_m}"], "ms": ms,
+                          "total_ms": sum(ms.values())}
+                if name != "default" and "default" in kept:
+                    result["vs_default"] = {label: relative_error(a.float(), b.float()) for label, a, b
+                                            in zip(("out", "dq", "dk", "dv"), kept[name], kept["default"])}
+                return result
+
+            record.run(section, name, measure)
+        del routes, kept
+        torch.cuda.empty_cache()
+    log("done")
+    return 0
+
+
+def _wall_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
