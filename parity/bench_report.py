@@ -129,17 +129,16 @@ def _main_table(rows: list[dict]) -> list[str]:
     header = _SHAPE + ["fwd ms", "fwd TFLOP/s", "fwd ÷dense", "fwd+bwd ms", "fwd+bwd TFLOP/s",
                        "fwd+bwd ÷dense", "peak GiB", "J", "infl.", "note"]
     body = []
-    families = sorted({r["family"] for r in rows if r["family"] != "-"}) or ["-"]
-    for family in families:
-        for r in sorted((r for r in rows if r["family"] in (family, "-")), key=_order):
-            peak = r.get("fwdbwd_peak_bytes") or r.get("fwd_peak_bytes")
-            body.append(_shape_cells(r) + [
-                _cell(r.get("fwd_ms")), _cell(r.get("fwd_tflops"), "{:.3g}"),
-                _cell(r.get("fwd_vs_dense")), _cell(r.get("fwdbwd_ms")),
-                _cell(r.get("fwdbwd_tflops"), "{:.3g}"), _cell(r.get("fwdbwd_vs_dense")),
-                _cell(peak / 2**30 if peak else None), _cell(r.get("jaccard"), "{:.3f}"),
-                _cell(_inflation(r)), _note(r),
-            ])
+    # per shape: its dense rows once, then each route set's rows
+    for r in sorted(rows, key=lambda r: _order(r)[:2] + (r["family"] != "-", r["family"]) + _order(r)[2:]):
+        peak = r.get("fwdbwd_peak_bytes") or r.get("fwd_peak_bytes")
+        body.append(_shape_cells(r) + [
+            _cell(r.get("fwd_ms")), _cell(r.get("fwd_tflops"), "{:.3g}"),
+            _cell(r.get("fwd_vs_dense")), _cell(r.get("fwdbwd_ms")),
+            _cell(r.get("fwdbwd_tflops"), "{:.3g}"), _cell(r.get("fwdbwd_vs_dense")),
+            _cell(peak / 2**30 if peak else None), _cell(r.get("jaccard"), "{:.3f}"),
+            _cell(_inflation(r)), _note(r),
+        ])
     return _table(header, body)
 
 

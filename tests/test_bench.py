@@ -186,6 +186,11 @@ def test_report_with_fake_timings(tmp_path):
     assert "## Per piece" in markdown and "| 2.00 | 6.00 (diff.) |" in markdown
     assert "## JAX vs torch Triton" in markdown and "| jax-triton | 8.16 | 1.020 | 41.60 | 1.040 |" in markdown
     assert "| 32768 | qsa@0.3 | 12 | 0.3 | 0.310 | 0.320 |" in markdown
+    main_rows = markdown.split("## Per piece")[0].splitlines()
+    dense = [line for line in main_rows if "| dense causal |" in line]
+    assert len(dense) == len(set(dense)) == 2, dense  # each dense baseline once, not once per route set
+    first_sparse = next(i for i, line in enumerate(main_rows) if "| qsa@" in line)
+    assert all(main_rows.index(line) < first_sparse for line in dense)  # above the rows it divides
 
 
 def test_markdown_tables_are_well_formed(tmp_path):

@@ -8,10 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from qsa_common.generators import (
-    adversarial_routes, neighbour_jaccard, qsa_format_routes, qsa_width, random_routes,
-)
+from qsa_common.generators import adversarial_routes, qsa_format_routes, qsa_width, random_routes
 from qsa_common.layouts import context_parallel_shard, make_problem, packed_rows, padded_batch
+from qsa_common.route_stats import adjacent_jaccard
 
 
 def canonical_sets(routes: np.ndarray, kv_length: int) -> list[list[frozenset]]:
@@ -56,7 +55,7 @@ def test_qsa_format(top_k):
 
 def test_qsa_neighbours_overlap_realistically():
     routes = qsa_format_routes(8192, top_k=512, rng=np.random.default_rng())
-    jac = neighbour_jaccard(routes[4 * 512 + 64 :], 8192).mean()
+    jac = adjacent_jaccard(routes[4 * 512 + 64 :], 8192).mean()
     assert 0.8 <= jac <= 0.95, jac
     assert ((routes >= 0).sum(1)[-100:] >= 2048).all()
 
