@@ -314,10 +314,14 @@ def interpreted() -> bool:
     return type(kernel("forward")).__name__ == "InterpretedFunction"
 
 
+# the values of TRITON_INTERPRET that turn Triton's interpreter on (its getenv_bool, lower-cased)
+_TRUE_SETTINGS = ("1", "true", "on", "yes", "y")
+
+
 def interprets() -> bool:
     """:func:`interpreted` without importing triton or the kernels: once they are imported,
-    how they were; before, what their import will see (``TRITON_INTERPRET=1`` now)."""
+    how they were; before, what their import will see (``TRITON_INTERPRET`` now)."""
     forward = sys.modules.get(f"{__package__}.forward")
     if forward is None:
-        return os.environ.get("TRITON_INTERPRET") == "1"
+        return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE_SETTINGS
     return type(forward.qsa_forward_kernel).__name__ == "InterpretedFunction"

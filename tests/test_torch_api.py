@@ -194,17 +194,18 @@ def test_triton_on_cpu_follows_how_its_kernels_were_imported(monkeypatch):
     assert (reason is None) == interpreted, reason
 
 
-@pytest.mark.parametrize("setting", ["1", None])
+@pytest.mark.parametrize("setting", ["1", "true", "On", "YES", "y", "0", "off", "2", None])
 def test_triton_interprets_predicts_the_kernels_import(setting):
-    """Before the kernels are imported, ``interprets`` reads TRITON_INTERPRET without
-    importing them, and the import then agrees (a fresh process per setting)."""
+    """Before the kernels are imported, ``interprets`` reads TRITON_INTERPRET as Triton
+    does, without importing them, and the import then agrees (a fresh process per setting)."""
     pytest.importorskip("triton")
     import subprocess
     import sys
 
     code = ("import sys\nfrom qsa_triton import launch\nguess = launch.interprets()\n"
             "assert 'qsa_triton.forward' not in sys.modules and 'triton' not in sys.modules\n"
-            "assert launch.interpreted() == guess\nprint(guess)\n")
+            "assert launch.interpreted() == guess\nfrom triton import knobs\n"
+            "assert knobs.runtime.interpret == guess\nprint(guess)\n")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     if setting is not None:
         env["TRITON_INTERPRET"] = setting
@@ -212,7 +213,7 @@ def test_triton_interprets_predicts_the_kernels_import(setting):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == str(setting == "1")
+    assert done.stdout.strip() == str(setting in ("1", "true", "On", "YES", "y"))
 
 
 @pytest.mark.parametrize("capability,cls,order", [

@@ -12,8 +12,8 @@ medians of the unions, the forward kernel and the backward kernel (the public re
 form of ``qsa_torch.triton_qsa``) and their sum, with the relative difference of out / dq /
 dk / dv from the default configuration's (a wrong configuration must not look fast).
 Writes ``probe_tiles.json`` under ``--out`` after every entry. ``--dry-run`` checks the
-plumbing on CPU in Triton's interpreter (S=48, (6,1), D=32, K=8, one overlap, one call
-timed by the wall clock).
+plumbing on CPU in Triton's interpreter (S=768, (6,1), D=32, top_k 4, one overlap, one
+call timed by the wall clock).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def configs(names):
     unknown = sorted(set(names) - set(table))
     if unknown:
         raise SystemExit(f"unknown configurations {unknown}; known: {sorted(table)}")
-    return {name: table[name] for name in names}
+    ordered = sorted(dict.fromkeys(names), key=lambda name: name != "default")  # the reference runs first
+    return {name: table[name] for name in ordered}
 
 
 def main(argv=None) -> int:
@@ -58,8 +59,9 @@ def main(argv=None) -> int:
     heads, head_dim, top_k, device, timer = HEADS, HEAD_DIM, TOP_K, "cuda", cuda_ms
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
-        heads, head_dim, top_k, device, timer = (6, 1), 32, 8, "cpu", _wall_ms
-        args.seq_len, args.overlaps = 48, args.overlaps[:1]
+        # unions narrower than S (T * width < S), as at the GPU's sizes: a wrong K shows
+        heads, head_dim, top_k, device, timer = (6, 1), 32, 4, "cpu", _wall_ms
+        args.seq_len, args.overlaps = 768, args.overlaps[:1]
 
     import torch
 
@@ -80,6 +82,7 @@ def main(argv=None) -> int:
     for overlap in args.overlaps:
         routes_np = _make_routes(args.seq_len, overlap_label(overlap), top_k, 0)
         routes = torch.from_numpy(routes_np).to(device)
+        width = routes.shape[2]  # K of the [B, S, K] routes (QSA format: 4 * top_k + 4)
         section = f"J={overlap}"
         stats = route_stats(routes_np, args.seq_len, groups=(group,), tilings=tilings,
                             first_row=min(4 * top_k + 3, args.seq_len - 1))
@@ -89,14 +92,14 @@ def main(argv=None) -> int:
             def measure(name=name, blocks=blocks):
                 with torch.no_grad():
                     out, lse, *unions = triton_qsa.forward_with_residuals(q, k, v, routes, scale, block_sizes=blocks)
-                    grads = triton_qsa.backward_from_residuals(do, q, k, v, out, lse, *unions, scale, top_k,
+                    grads = triton_qsa.backward_from_residuals(do, q, k, v, out, lse, *unions, scale, width,
                                                                block_sizes=blocks, deterministic=False)
                     ms = {
                         "unions": timer(lambda: triton_qsa.route_unions(q, k, routes, block_sizes=blocks)),
                         "forward_kernel": timer(lambda: triton_qsa.forward_from_unions(
-                            q, k, v, *unions, scale, top_k, block_sizes=blocks)),
+                            q, k, v, *unions, scale, width, block_sizes=blocks)),
                         "backward_kernel": timer(lambda: triton_qsa.backward_from_residuals(
-                            do, q, k, v, out, lse, *unions, scale, top_k, block_sizes=blocks,
+                            do, q, k, v, out, lse, *unions, scale, width, block_sizes=blocks,
                             deterministic=False)),
                     }
                 kept[name] = (out, *grads)

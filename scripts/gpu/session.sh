@@ -9,6 +9,7 @@
 #   FA4 in the layer bench (call A: carry .gpu/a .gpu/install.sh .whl, run bash .gpu/install.sh;
 #   call B: carry .gpu/b .gpu/install.sh .whl):  bash scripts/gpu/session.sh fa4
 #   kernels changed since the last timing (warm): bash scripts/gpu/session.sh verify
+#   tile heights across overlap (warm):           bash scripts/gpu/session.sh tiles
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -17,7 +18,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -80,7 +81,6 @@ verify)
   alone bench 190 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
     --backends torch-dense-sdpa,triton,jax-triton --time-budget 150 --out "$R/bench"
   alone unions 110 python3 scripts/gpu/probe_unions.py --out "$R/unions" --budget-s 90
-  alone tiles 170 python3 scripts/gpu/probe_tiles.py --out "$R/tiles" --budget-s 150
   beside gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_qsa.py tests/test_triton_deterministic.py \
     tests/test_jax_triton.py tests/test_torch_api.py tests/test_flex_qsa.py tests/test_pallas_qsa.py
   beside sanitize_triton 240 compute-sanitizer --tool memcheck --print-limit 30 \
@@ -89,6 +89,10 @@ verify)
   beside parity 240 python3 scripts/gpu/run_parity_and_bench.py --out "$R/parity" --skip-bench --skip-api \
     --budget 210 --parity-args "--backends triton,jax-triton"
   wait
+  ;;
+tiles)
+  # tile heights across overlap (issue 18): warm machine, no carry needed
+  alone tiles 420 python3 scripts/gpu/probe_tiles.py --out "$R/tiles" --budget-s 390
   ;;
 recheck)
   # after fixes to what the three calls above found: the pieces that changed, in one call
