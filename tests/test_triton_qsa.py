@@ -164,6 +164,27 @@ def test_tile_unions_match_the_oracle(rows_per_tile):
         assert (want[2] < 0).any(), "row 31's bit (int32's sign) should be set somewhere"
 
 
+def test_tile_unions_with_runs_across_merge_chunks():
+    """Tiles of 32 rows x K = 100 routes: 3200 sorted keys per tile, merged in chunks of
+    UNION_BLOCK; rows that share most IDs make runs of equal IDs (one key per row) that the
+    chunk boundaries cut, and each run's bits must all reach its slot."""
+    from qsa_triton.launch import UNION_BLOCK
+
+    rng = _fresh_rng()
+    kv_length, width, s_q = 400, 100, 56
+    shared = rng.choice(kv_length, size=width, replace=False)
+    routes = np.stack([rng.permutation(shared) for _ in range(s_q)])
+    swap = rng.random(routes.shape) < 0.05  # some rows differ: runs of every length
+    routes[swap] = rng.integers(-3, kv_length + 3, size=int(swap.sum()))
+    routes[5, :10] = routes[5, 10:20]  # repeated IDs within a row
+    assert 32 * width > 3 * UNION_BLOCK
+    want = tile_unions(routes[None], kv_length, 32)
+    assert_unions_equal(_numpy(build_tile_unions(torch.from_numpy(routes[None]).to(DEVICE), kv_length, 32)), want)
+    ors = np.bitwise_or.reduce(want[2], axis=-1)
+    assert list(ors[0]) == [-1, (1 << 24) - 1]  # every row of both tiles has a bit somewhere
+    assert (want[2] == -1).any()  # and some ID is in all 32 rows of a tile: a run longer than a cut
+
+
 def test_tile_unions_with_wide_keys():
     """kv_length * T past int32 range: the sort keys switch to int64."""
     rng = _fresh_rng()
