@@ -112,6 +112,11 @@ def _order(r: dict) -> tuple:
     return (r["heads"][0], r["seq_len"], _RANK.get(r["backend"], 99))
 
 
+def _shape_order(r: dict) -> tuple:
+    """Per shape: its dense rows (family "-") first, then each route set's rows."""
+    return (r["heads"][0], r["seq_len"], r["family"] != "-", r["family"], _RANK.get(r["backend"], 99))
+
+
 def _tiling_key(label: str) -> tuple:
     """flat programs first, then row tiles; larger first within a kind."""
     kind, size = re.fullmatch(r"([a-z]+)(\d+)", label).groups()
@@ -129,8 +134,7 @@ def _main_table(rows: list[dict]) -> list[str]:
     header = _SHAPE + ["fwd ms", "fwd TFLOP/s", "fwd ÷dense", "fwd+bwd ms", "fwd+bwd TFLOP/s",
                        "fwd+bwd ÷dense", "peak GiB", "J", "infl.", "note"]
     body = []
-    # per shape: its dense rows once, then each route set's rows
-    for r in sorted(rows, key=lambda r: _order(r)[:2] + (r["family"] != "-", r["family"]) + _order(r)[2:]):
+    for r in sorted(rows, key=_shape_order):
         peak = r.get("fwdbwd_peak_bytes") or r.get("fwd_peak_bytes")
         body.append(_shape_cells(r) + [
             _cell(r.get("fwd_ms")), _cell(r.get("fwd_tflops"), "{:.3g}"),

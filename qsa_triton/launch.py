@@ -311,7 +311,8 @@ def kernel(name: str):
 def interpreted() -> bool:
     """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` was set
     before they were first imported)."""
-    return type(kernel("forward")).__name__ == "InterpretedFunction"
+    kernel("forward")  # imports them, if nothing has yet
+    return interprets()
 
 
 # the values of TRITON_INTERPRET that turn Triton's interpreter on (its getenv_bool, lower-cased)

@@ -474,8 +474,7 @@ def run_all(setup: Setup, args, report: dict, started: float) -> None:
                                                       if k in ("step_ms", "peak_gib", "error", "skipped",
                                                                "breakdown_ms")}))
             report["results"].append(entry)
-            with open(os.path.join(args.out, "bench_nemo_layer.json"), "w") as f:  # kept if the run is cut short
-                json.dump(report, f, indent=1)
+            write_json(report, args.out)  # kept if the run is cut short
             if setup.device.type == "cuda":
                 torch.cuda.empty_cache()
         compare(report["results"], seq, captured)
@@ -493,9 +492,13 @@ def run_all(setup: Setup, args, report: dict, started: float) -> None:
                 f"= {100 * b['attn'] / b['step']:.0f}%; other {b['other']:.2f} ms")
 
 
-def write(report: dict, out: str) -> None:
+def write_json(report: dict, out: str) -> None:
     with open(os.path.join(out, "bench_nemo_layer.json"), "w") as f:
         json.dump(report, f, indent=1)
+
+
+def write(report: dict, out: str) -> None:
+    write_json(report, out)
     with open(os.path.join(out, "bench_nemo_layer.md"), "w") as f:
         f.write(markdown(report))
 
