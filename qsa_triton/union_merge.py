@@ -3,8 +3,10 @@
 The sorted (ID, row) keys of a group give its union in one pass: an ID starts a new
 union slot where it differs from the previous key's ID, the slot is a running count of
 those starts (a prefix sum per chunk plus the count carried from earlier chunks), and
-each key ORs its row's bit into its slot (OR is idempotent, so repeated (ID, row) keys
-need no care). Slots past the count are filled with -1.
+the row bits of each run of equal IDs within a chunk are ORed together by a segmented scan
+and the run's last key adds them to its slot with one atomic OR (a run that crosses a chunk
+boundary ORs once per chunk; OR is idempotent, so repeated (ID, row) keys need no care).
+Slots past the count are filled with -1.
 """
 
 from __future__ import annotations
@@ -16,19 +18,30 @@ from .language import SUM, fill
 
 
 @triton.jit
+def _or_within_slot(slot_a, bits_a, slot_b, bits_b):
+    """Segmented OR over non-decreasing slots: b's bits, plus a's where a is the same slot."""
+    return slot_b, tl.where(slot_a == slot_b, bits_a | bits_b, bits_b)
+
+
+@triton.jit
 def _merge_step(start, n_keys, keys, union, rowbits, low_mask, sentinel, carry,
                 SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = start + tl.arange(0, BLOCK)
+    lane = tl.arange(0, BLOCK)
+    offs = start + lane
     in_range = offs < n_keys
     low = tl.load(keys + offs, mask=in_range, other=sentinel) & low_mask
     prev = tl.load(keys + offs - 1, mask=in_range & (offs > 0), other=-1) & low_mask
+    after = tl.load(keys + offs + 1, mask=offs + 1 < n_keys, other=sentinel) & low_mask
     valid = low != sentinel
     ids = low >> SHIFT
     first = valid & (ids != (prev >> SHIFT))
     slot = carry + tl.associative_scan(first.to(tl.int32), 0, SUM) - 1
     tl.store(union + slot, ids.to(tl.int32), mask=first)
-    bit = tl.full([BLOCK], 1, tl.int32) << (low & ((1 << SHIFT) - 1)).to(tl.int32)
-    tl.atomic_or(rowbits + slot, bit, mask=valid, sem="relaxed")
+    bit = tl.where(valid, tl.full([BLOCK], 1, tl.int32) << (low & ((1 << SHIFT) - 1)).to(tl.int32), 0)
+    _, run_bits = tl.associative_scan((slot, bit), 0, _or_within_slot)
+    # a run's last key in this chunk: the chunk ends, or the next key is another ID or padding
+    last = (lane == BLOCK - 1) | (after == sentinel) | ((after >> SHIFT) != ids)
+    tl.atomic_or(rowbits + slot, run_bits, mask=valid & last, sem="relaxed")
     return carry + tl.reduce(first.to(tl.int32), 0, SUM)
 
 
