@@ -105,9 +105,13 @@ def attempts(plan: Plan, backward: bool) -> list[Attempt]:
     heads = plan.bwd_heads if backward else plan.fwd_heads
     block_k, stages = (b.backward_block_k, b.backward_num_stages) if backward else (b.block_k, b.num_stages)
     head_options = [heads] if plan.flat else [h for h in (heads, heads // 2, heads // 4) if h >= 1 and rows * h >= 16]
-    least = min_backward_block_k(plan.bwd_heads, plan.head_dim_pad) if backward and plan.flat else 16
-    chunk_options = [(block_k, stages), (block_k, 1)] + [(bk, 1) for bk in (block_k // 2, block_k // 4) if bk >= least]
-    return list(dict.fromkeys(Attempt(h, bk, st) for h in head_options for bk, st in chunk_options))
+    chunk_options = [(block_k, stages), (block_k, 1)] + [(bk, 1) for bk in (block_k // 2, block_k // 4)]
+
+    def allowed(h: int, bk: int) -> bool:  # flat programs: h is their pair count
+        return not backward or bk >= min_backward_block_k(h if plan.flat else rows * h, plan.head_dim_pad)
+
+    return list(dict.fromkeys(Attempt(h, bk, st) for h in head_options for bk, st in chunk_options
+                              if bk >= 16 and allowed(h, bk)))
 
 
 def _strides(prefix: str, strides, names) -> list[tuple[str, int]]:

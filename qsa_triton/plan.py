@@ -74,10 +74,7 @@ def make_plan(group: int, head_dim: int, blocks: BlockSizes, *, max_grid_y: int 
     limits = dict(max_grid_y=max_grid_y, offset_limit=offset_limit)
     if blocks.flatten_heads and group != g_pad:
         pairs = flat_pairs(blocks.block_m, group, MAX_ROWS_PER_TILE)
-        least = min_backward_block_k(pairs, head_dim_pad)
-        if blocks.backward_block_k < least:
-            raise ValueError(f"backward programs of {pairs} pairs at head dim {head_dim} need "
-                             f"backward_block_k >= {least}, got {blocks.backward_block_k}")
+        _check_backward_chunk(pairs, head_dim, head_dim_pad, blocks.backward_block_k)
         return Plan(next_pow2(flat_span(pairs, group)), group, pairs, pairs, head_dim_pad, blocks, flat=True,
                     **limits)
     heads = min(g_pad, blocks.block_m)
@@ -92,16 +89,26 @@ def make_plan(group: int, head_dim: int, blocks: BlockSizes, *, max_grid_y: int 
     bwd_heads = max(1, min(heads, blocks.backward_block_m // bwd_rows))
     while bwd_rows * bwd_heads < 16:
         bwd_heads *= 2
+    _check_backward_chunk(bwd_rows * bwd_heads, head_dim, head_dim_pad, blocks.backward_block_k)
     return Plan(rows, group, heads, bwd_heads, head_dim_pad, blocks,
                 bwd_rows=0 if bwd_rows == rows else bwd_rows, **limits)
 
 
-def min_backward_block_k(pairs: int, head_dim_pad: int) -> int:
-    """The narrowest union chunk a flat backward of ``pairs`` pairs may take: 64 IDs for
-    128+ pairs at a padded head dim of 256, whose backward over narrower chunks reads past
-    its shared memory in a ``tl.dot`` under Triton 3.6 (compute-sanitizer,
-    docs/benchmarks.md); 16 otherwise."""
-    return 64 if pairs >= 128 and head_dim_pad >= 256 else 16
+def _check_backward_chunk(matrix_rows: int, head_dim: int, head_dim_pad: int, block_k: int) -> None:
+    least = min_backward_block_k(matrix_rows, head_dim_pad)
+    if block_k < least:
+        raise ValueError(f"backward programs of {matrix_rows} (row, head) pairs at head dim {head_dim} need "
+                         f"backward_block_k >= {least}, got {block_k}")
+
+
+def min_backward_block_k(matrix_rows: int, head_dim_pad: int) -> int:
+    """The narrowest union chunk a backward program of ``matrix_rows`` (row, head) pairs
+    may take: 64 IDs for 64+ pairs at a padded head dim of 256, whose backward over
+    narrower chunks reads past its shared memory in a ``tl.dot`` under Triton 3.6
+    (compute-sanitizer on the H200: flat programs of 64 and 128 pairs and padded 8 x 8
+    programs over 16- and 32-ID chunks; programs of 32 pairs read nothing out of bounds;
+    ``scripts/gpu/probe_chunks.py``, docs/benchmarks.md); 16 otherwise."""
+    return 64 if matrix_rows >= 64 and head_dim_pad >= 256 else 16
 
 
 def flat_span(pairs: int, group: int) -> int:

@@ -422,20 +422,35 @@ def test_flat_programs_sorted_per_program_against_the_oracle(heads):
     _check_against_oracle(problem.routes, problem.kv_length, heads, 16, "float32", blocks, rng, 0.3)
 
 
-def test_plan_refuses_the_backward_tiling_that_reads_past_shared_memory():
-    """128-pair backward programs at D = 256 over 32-ID chunks read past their shared memory
-    in a tl.dot (compute-sanitizer on the H200, Triton 3.6): refused with the reason;
-    the tuned 64-ID chunks and smaller programs plan as before."""
-    from qsa_triton.config import DEFAULT_BLOCK_SIZES
+def test_plan_refuses_the_backward_tilings_that_read_past_shared_memory():
+    """Backward programs of 64+ (row, head) pairs at D = 256 over chunks of fewer than 64
+    IDs read past their shared memory in a tl.dot (compute-sanitizer on the H200, Triton
+    3.6: flat 128- and 64-pair programs, padded 8 x 8 programs; scripts/gpu/probe_chunks.py):
+    refused with the reason, flat or padded; 32-pair programs, narrower heads and the
+    tuned 64-ID chunks plan as before, and no fallback ladder steps down to a refused one."""
+    from qsa_triton.config import DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES
 
-    with pytest.raises(ValueError, match="backward_block_k >= 64"):
-        make_plan(12, 256, dataclasses.replace(DEFAULT_BLOCK_SIZES, backward_block_k=32))
-    assert make_plan(12, 256, DEFAULT_BLOCK_SIZES).flat
-    assert make_plan(12, 128, dataclasses.replace(DEFAULT_BLOCK_SIZES, backward_block_k=32)).flat
-    assert make_plan(12, 256, dataclasses.replace(DEFAULT_BLOCK_SIZES, block_m=64, backward_block_k=32)).flat
-    # nor does the shared-memory fallback ladder step down to it
-    assert {a.block_k for a in spec.attempts(make_plan(12, 256, DEFAULT_BLOCK_SIZES), True)} == {64}
-    assert {a.block_k for a in spec.attempts(make_plan(12, 256, DEFAULT_BLOCK_SIZES), False)} == {64, 32, 16}
+    refused = [(12, dict(backward_block_k=32)), (12, dict(block_m=64, backward_block_k=32)),
+               (8, dict(backward_block_k=32)), (8, dict(backward_block_k=16))]
+    for group, changes in refused:
+        with pytest.raises(ValueError, match=r"pairs at head dim 256 need backward_block_k >= 64, got"):
+            make_plan(group, 256, dataclasses.replace(DEFAULT_BLOCK_SIZES, **changes))
+    for group, head_dim, blocks in [(12, 256, DEFAULT_BLOCK_SIZES), (8, 256, DEFAULT_BLOCK_SIZES),
+                                    (12, 128, dataclasses.replace(DEFAULT_BLOCK_SIZES, backward_block_k=32)),
+                                    (12, 256, dataclasses.replace(DEFAULT_BLOCK_SIZES, block_m=32,
+                                                                  backward_block_k=16)),
+                                    (12, 256, SAFE_BLOCK_SIZES), (8, 256, SAFE_BLOCK_SIZES)]:
+        plan = make_plan(group, head_dim, blocks)
+        for attempt in spec.attempts(plan, True):
+            rows = attempt.heads if plan.flat else plan.backward_rows * attempt.heads
+            assert attempt.block_k >= (64 if rows >= 64 and head_dim > 128 else 16), (group, head_dim, attempt)
+    flat, padded = make_plan(12, 256, DEFAULT_BLOCK_SIZES), make_plan(8, 256, DEFAULT_BLOCK_SIZES)
+    assert flat.flat and not padded.flat and padded.backward_rows * padded.bwd_heads == 64
+    assert {a.block_k for a in spec.attempts(flat, True)} == {64}
+    assert {a.block_k for a in spec.attempts(flat, False)} == {64, 32, 16}
+    # padded programs may still halve their heads to 32 pairs, which take narrower chunks
+    assert {(a.heads, a.block_k) for a in spec.attempts(padded, True)} == {(8, 64), (4, 64), (4, 32), (4, 16),
+                                                                          (2, 64), (2, 32), (2, 16)}
 
 
 @pytest.mark.parametrize("group", [1, 3, 6, 12])

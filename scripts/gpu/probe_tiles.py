@@ -1,7 +1,7 @@
 """Tile heights across route overlap: torch Triton piece by piece under a few BlockSizes.
 
     python3 scripts/gpu/probe_tiles.py --out DIR [--seq-len 32768] [--overlaps 0.3 0.6 0.8 0.9]
-        [--configs default flat64 flat64_k32] [--budget-s 240] [--dry-run]
+        [--configs default flat64] [--budget-s 240] [--dry-run]
 
 Issue 18 asks whether tile heights chosen from the routes' overlap beat the fixed default:
 at low adjacent-row Jaccard a shorter program walks a less inflated union (its rows share
@@ -37,7 +37,6 @@ def configs(names):
     table = {
         "default": DEFAULT_BLOCK_SIZES,
         "flat64": dataclasses.replace(DEFAULT_BLOCK_SIZES, block_m=64),
-        "flat64_k32": dataclasses.replace(DEFAULT_BLOCK_SIZES, block_m=64, backward_block_k=32),
     }
     unknown = sorted(set(names) - set(table))
     if unknown:
@@ -51,7 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--overlaps", type=float, nargs="+", default=[0.3, 0.6, 0.8, 0.9])
-    parser.add_argument("--configs", nargs="+", default=["default", "flat64", "flat64_k32"])
+    parser.add_argument("--configs", nargs="+", default=["default", "flat64"])
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
     args = parser.parse_args(argv)
