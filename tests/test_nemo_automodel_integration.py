@@ -596,8 +596,14 @@ def test_gpu_benchmark_script_dry_run(upstream, tmp_path, monkeypatch):
     spec.loader.exec_module(bench)
     layers = upstream_module("layers")
     builder = layers.build_flex_qsa_mask
-    assert bench.main(["--dry-run", "--out", str(tmp_path), "--qsa-backend", "reference"]) == 0
+    fa4 = upstream_module("fa4_qsa")
+    preprocess = fa4._preprocess
+    assert bench.main(["--dry-run", "--out", str(tmp_path), "--qsa-backend", "reference",
+                       "--cute-preprocess", "eager"]) == 0
     assert layers.build_flex_qsa_mask is builder  # the benchmark undid its instrumentation
+    assert fa4._preprocess is preprocess  # and its eager preprocessing
+    with bench.cute_preprocess("cute", "eager"):
+        assert fa4._preprocess is preprocess._torchdynamo_orig_callable
     report = json.loads((tmp_path / "bench_nemo_layer.json").read_text())
     results = {r["variant"]: r for r in report["results"]}
     assert set(results) == {"flex", "cute", "qsa_torch"}
@@ -606,7 +612,9 @@ def test_gpu_benchmark_script_dry_run(upstream, tmp_path, monkeypatch):
         if name != "flex":  # on CPU every variant but ours runs upstream's oracle
             assert r["routes_identical"] and max(r["agreement"].values()) < 1e-5, r["agreement"]
     assert "sparse_gqa_attention: ran backend" not in " ".join(results["flex"]["qsa_torch_log"])
+    assert results["cute"]["preprocess"] == "eager" and "preprocess" not in results["flex"]
     assert (tmp_path / "bench_nemo_layer.md").read_text().count("| 150 |") == 3
+    assert "| 150 | cute (eager preprocessing) |" in (tmp_path / "bench_nemo_layer.md").read_text()
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 
     python3 scripts/gpu/bench_nemo_layer.py --out DIR [--seq-lens 8192 32768] [--iters 5]
         [--warmup 2] [--time-budget 250] [--variants flex cute qsa_torch] [--qsa-backend auto]
+        [--cute-preprocess compiled] [--stack-dump-s 0]
 
 Needs nemo-automodel 0.7.0 and its import closure (transformers, ...); ``cute`` needs
 ``flash_attn.cute`` (flash-attn-4 and the CuTe DSL), else it is reported unavailable
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -261,6 +263,25 @@ def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((a - e).norm()) / norm if norm > 0 else float((a - e).norm())
 
 
+@contextlib.contextmanager
+def cute_preprocess(variant: str, mode: str):
+    """With ``mode`` "eager", upstream's FA4 route preprocessing (``fa4_qsa._preprocess``,
+    ``torch.compile``'d upstream) runs uncompiled for the ``cute`` variant: on the H200
+    host (torch 2.11, Triton 3.6) ptxas did not finish one Inductor kernel of it in
+    4 minutes (docs/benchmarks.md). Restored on exit."""
+    if variant != "cute" or mode == "compiled":
+        yield
+        return
+    from nemo_automodel.components.models.qwen3_8_flash_next import fa4_qsa
+
+    compiled = fa4_qsa._preprocess
+    fa4_qsa._preprocess = getattr(compiled, "_torchdynamo_orig_callable", compiled.__wrapped__)
+    try:
+        yield
+    finally:
+        fa4_qsa._preprocess = compiled
+
+
 def run_variant(setup: Setup, variant: str, seq: int, inputs, args) -> tuple[dict, dict]:
     """Time one variant; returns its result and its output, gradients and routes."""
     layer, device = setup.layer, setup.device
@@ -272,6 +293,8 @@ def run_variant(setup: Setup, variant: str, seq: int, inputs, args) -> tuple[dic
     qsa_logger.addHandler(handler)
     level = qsa_logger.level
     qsa_logger.setLevel(logging.DEBUG)
+    if variant == "cute":
+        result["preprocess"] = args.cute_preprocess
     try:
         with routes_for(setup, variant, args, instrumented=False):
             t0 = time.time()
@@ -352,6 +375,11 @@ def fmt(value, digits=2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def label(result: dict) -> str:
+    eager = result.get("preprocess") == "eager"
+    return result["variant"] + (" (eager preprocessing)" if eager else "")
+
+
 def markdown(report: dict) -> str:
     lines = [
         "# nemo-automodel Qwen3.8-Flash-Next QSA layer: one training step",
@@ -375,7 +403,7 @@ def markdown(report: dict) -> str:
             f"{agree['out']:.1e}", f"{agree['dx']:.1e}",
             f"{max(v for k, v in agree.items() if k.startswith('grad/')):.1e}")
         lines.append(
-            f"| {r['seq_len']} | {r['variant']} | {fmt(r['step_ms'])} | {fmt(r.get('peak_gib'))} "
+            f"| {r['seq_len']} | {label(r)} | {fmt(r['step_ms'])} | {fmt(r.get('peak_gib'))} "
             f"| {fmt(b.get('attn_fwd'))} | {fmt(b.get('attn_bwd'))} | {fmt(b.get('attn'))} "
             f"| {fmt(b.get('indexer'))} | {fmt(b.get('flex_mask'))} | {fmt(b.get('other'))} "
             f"| {errs[0]} | {errs[1]} | {errs[2]} | {r.get('routes_identical', '-')} |")
@@ -421,7 +449,14 @@ def main(argv=None) -> int:
     parser.add_argument("--qsa-backend", default="auto", help="backend for use_qsa_torch (default auto)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dry-run", action="store_true", help="CPU, small layer, S=150, fp32: plumbing only")
+    parser.add_argument("--cute-preprocess", choices=("compiled", "eager"), default="compiled",
+                        help="upstream's FA4 route preprocessing as shipped (torch.compile) or eager")
+    parser.add_argument("--stack-dump-s", type=float, default=0.0,
+                        help="every so many seconds, print every thread's Python stack to stderr "
+                             "(tells a long JIT compile from a hang); 0: never")
     args = parser.parse_args(argv)
+    if args.stack_dump_s > 0:
+        faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)
     if args.dry_run:
         args.seq_lens, args.iters, args.warmup = [150], 2, 1
     os.makedirs(args.out, exist_ok=True)
@@ -465,7 +500,8 @@ def run_all(setup: Setup, args, report: dict, started: float) -> None:
             else:
                 log(f"S={seq} {variant} ...")
                 try:
-                    entry, captured[variant] = run_variant(setup, variant, seq, inputs, args)
+                    with cute_preprocess(variant, args.cute_preprocess):
+                        entry, captured[variant] = run_variant(setup, variant, seq, inputs, args)
                 except Exception as err:
                     missing = variant == "cute" and isinstance(err, ImportError)
                     entry["error"] = ("unavailable: " if missing else "") + f"{type(err).__name__}: {str(err)[:300]}"

@@ -10,6 +10,7 @@
 #   call B: carry .gpu/b .gpu/install.sh .whl):  bash scripts/gpu/session.sh fa4
 #   kernels changed since the last timing (warm): bash scripts/gpu/session.sh verify
 #   tile heights across overlap (warm):           bash scripts/gpu/session.sh tiles
+#   which tilings read out of bounds (warm):      bash scripts/gpu/session.sh chunks
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -18,7 +19,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -73,8 +74,10 @@ correctness)
   ;;
 fa4)
   # upstream's cute (FA4) layer beside ours and flex, both S in one run; FA4's first step
-  # JIT-compiles for minutes (needs .gpu/a then .gpu/b installed: carry .gpu/b .gpu/install.sh .whl)
-  alone nemo 520 python3 scripts/gpu/bench_nemo_layer.py --out "$R/nemo" --seq-lens 8192 32768 --time-budget 400
+  # JIT-compiles for minutes (needs .gpu/a then .gpu/b installed: carry .gpu/b .gpu/install.sh .whl).
+  # Its route preprocessing runs eager: compiled, ptxas stalls on one of its Inductor kernels
+  alone nemo 520 python3 scripts/gpu/bench_nemo_layer.py --out "$R/nemo" --seq-lens 8192 32768 --time-budget 400 \
+    --cute-preprocess eager --stack-dump-s 120
   ;;
 verify)
   # the kernels after CPU-only changes: timing alone first, then the GPU tests side by side
@@ -93,6 +96,10 @@ verify)
 tiles)
   # tile heights across overlap (issue 18): warm machine, no carry needed
   alone tiles 420 python3 scripts/gpu/probe_tiles.py --out "$R/tiles" --budget-s 390
+  ;;
+chunks)
+  # each configuration of probe_chunks.py under compute-sanitizer memcheck, side by side
+  alone chunks 200 python3 scripts/gpu/probe_chunks.py --out "$R/chunks" --timeout-s 170
   ;;
 recheck)
   # after fixes to what the three calls above found: the pieces that changed, in one call
