@@ -29,7 +29,9 @@ class BlockSizes:
     its rows, each forward tile cut into T / T_b backward tiles whose unions come out of
     the forward's (no second sort); ``backward_rows_per_tile`` sets T_b instead, heads then
     split over several programs when T_b * G_pad exceeds ``backward_block_m``.
-    Block sizes are powers of two >= 16; warps and stages positive ints.
+    Block sizes are powers of two >= 16; warps and stages positive ints. At a padded head
+    dim of 256, backward programs of 64+ pairs need ``backward_block_k`` >= 64
+    (:func:`qsa_triton.plan.min_backward_block_k`; plans refuse narrower chunks there).
 
     ``flatten_heads``: where G is not a power of two, every program (forward and
     backward) takes ``block_m`` consecutive (query row, head) pairs instead of T rows x
@@ -42,7 +44,7 @@ class BlockSizes:
     num_warps: int = 8
     num_stages: int = 2
     backward_block_m: int = 64
-    backward_block_k: int = 32
+    backward_block_k: int = 64
     backward_num_warps: int = 8
     backward_num_stages: int = 1
     backward_rows_per_tile: int | None = None
