@@ -12,7 +12,9 @@ do) or plain noise. Per case it reports:
 * route agreement: rows whose route sets are identical; every other row must
   differ only among blocks whose upstream scores equal the score at the top-k
   cut (the upstream scores are the very tensors its ``torch.topk`` ranked,
-  captured during its forward); anything else is unexplained and fails;
+  captured during its forward); anything else is unexplained and fails (rows
+  whose swapped blocks' exact scores lie within float32 evaluation error of each
+  other are marked near ties: :func:`mark_near_ties`);
 * forced routes: the port run on the upstream routes: output, input gradient
   and every trainable parameter's gradient against upstream at the contract's
   tolerance (float32 1e-5, bfloat16 1e-2, relative L2);
@@ -318,8 +320,9 @@ def run_port(layer, x, freqs, mask, cu, cotangent, routes=None, mesh=None):
     return np.asarray(own), f32(out), f32(dx), flat
 
 
-def port_scores(layer, x, freqs, mask, cu):
-    """The port's own float32 block scores ``[B, S, N]`` and block starts (diagnostics)."""
+def port_score_inputs(layer, x, freqs, mask, cu):
+    """The port's indexer queries ``[B, S, H, D]`` and compressed block keys ``[B, N, D]``
+    (float32 numpy holding its model-dtype values) and the block step (diagnostics)."""
     import jax.numpy as jnp
 
     from qsa_jax.qwen3_8_flash_next import make_layout
@@ -328,14 +331,48 @@ def port_scores(layer, x, freqs, mask, cu):
     layout = make_layout(x.shape[0], x.shape[1], attention_mask=None if mask is None else jnp.asarray(mask),
                          cu_seqlens=None if cu is None else jnp.asarray(cu))
     query, raw_key = layer.indexer.project(x, freqs)
-    keys = layer.indexer.compress(raw_key, freqs, packed=layout.packed).astype(jnp.float32)
-    dots = jnp.maximum(jnp.einsum("bshd,bnd->bshn", query.astype(jnp.float32), keys,
-                                  precision="highest"), 0)
+    keys = layer.indexer.compress(raw_key, freqs, packed=layout.packed)
+    step = 1 if layout.packed else layer.config.indexer_compress_ratio
+    return np.asarray(query.astype(jnp.float32)), np.asarray(keys.astype(jnp.float32)), step
+
+
+def port_scores(layer, x, freqs, mask, cu):
+    """The port's own float32 block scores ``[B, S, N]`` and block starts (diagnostics)."""
+    import jax.numpy as jnp
+
+    query, keys, step = port_score_inputs(layer, x, freqs, mask, cu)
+    dots = jnp.maximum(jnp.einsum("bshd,bnd->bshn", query, keys, precision="highest"), 0)
     total = dots[:, :, 0]
     for h in range(1, dots.shape[2]):
         total = total + dots[:, :, h]
-    step = 1 if layout.packed else layer.config.indexer_compress_ratio
     return np.asarray(total / np.sqrt(layer.config.indexer_head_dim)), step
+
+
+def score_with_bound(query_row, key):
+    """The block score ``sum_h relu(q_h . k) / sqrt(D)`` of one query row ``[H, D]`` and one
+    block key ``[D]``, exactly (float64 of the 16/32-bit inputs), and ``beta``: a bound on how
+    far any float32 evaluation of it, in any summation order, may fall from that value
+    (Higham's ``gamma_n = n u / (1 - n u)``, u = 2**-24: each dot errs by at most
+    ``gamma_D * sum_d |q_hd k_d|`` (with or without fused multiply-adds), relu is
+    1-Lipschitz, the head sum adds ``gamma_H * sum_h |r_h|``, and the scaling by a rounded
+    ``1 / sqrt(D)`` multiplies all of it by ``(1 + u)**2 / (1 - u)`` and adds ``3 u |score|``)."""
+    q = np.asarray(query_row, np.float64)
+    k = np.asarray(key, np.float64)
+    heads, dim = q.shape
+    u = 2.0 ** -24
+
+    def gamma(n):
+        return n * u / (1 - n * u)
+
+    dots = q @ k
+    dot_err = gamma(dim) * (np.abs(q) @ np.abs(k))
+    relu = np.maximum(dots, 0)
+    score = relu.sum() / np.sqrt(dim)
+    summed = (dot_err.sum() + gamma(heads) * (relu + dot_err).sum()) / np.sqrt(dim)
+    # (T + E)(1 + d1)(1 + d2) or (T + E) / (1 + d1) * (1 + d2), |d| <= u: the scaling's rounded
+    # constant and its rounding, applied to the summed error E too
+    beta = summed * (1 + u) ** 2 / (1 - u) + 3 * u * abs(score)
+    return float(score), float(beta)
 
 
 # --------------------------------------------------------------------------- comparisons
@@ -488,7 +525,9 @@ def run_case(case: LayerCase, seed: int, *, implementation=None, device: str = "
         agreement["unexplained"] += 1
         agreement["failures"].append({"reason": "port routes longer than the visible extent"})
     if any("swapped_scores" in f for f in unexplained):
-        agreement["unexplained_near_ties"] = _annotate_port_scores(unexplained, port, x_np, freqs_np, mask, cu)
+        query, keys, step = port_score_inputs(port, x_np, freqs_np, mask, cu)
+        agreement["unexplained_near_ties"] = mark_near_ties(unexplained, query, keys, step,
+                                                            port.config.indexer_compress_ratio, cu)
     for entry in agreement["examples"] + agreement["failures"]:
         entry.pop("port_kept", None)
     free = _compare({"out": out, "dx": dx, **grads}, upstream, tol)
@@ -508,24 +547,34 @@ def run_case(case: LayerCase, seed: int, *, implementation=None, device: str = "
     return record
 
 
-def _annotate_port_scores(entries, port, x, freqs, mask, cu) -> int:
-    """Add the port's own scores of the swapped blocks to unexplained rows and count the
-    near ties: rows whose swapped blocks' upstream scores are closer to the cut than the
-    two sides' scores of those blocks are to each other (rounding, not a different rule).
-    Such rows still count as unexplained."""
-    scores, step = port_scores(port, x, freqs, mask, cu)
-    ratio = port.config.indexer_compress_ratio
+def mark_near_ties(entries: list, query, keys, step: int, ratio: int, cu) -> int:
+    """Mark the unexplained rows whose swap float32 evaluation error could cause; count them.
+
+    Both sides evaluate the same score formula in float32, each in its own summation order
+    (different GEMM shapes), from 16-bit indexer inputs that may themselves round
+    differently (a projection's accumulation order). For the port's inputs as
+    :func:`port_score_inputs` computes them (``query`` ``[B, S, H, D]``, ``keys``
+    ``[B, N, D]``), an entry gets ``exact_scores`` and ``beta`` (:func:`score_with_bound`)
+    of its swapped blocks and ``near_tie`` = upstream's scores are within ``beta`` of the
+    exact ones (upstream evaluated these inputs) and every upstream-only block ``a`` and
+    port-only block ``p`` have ``|e_a - e_p| <= beta_a + beta_p`` (either order is a float32
+    outcome). The port's own ranked scores are not captured, so this cannot tell summation
+    order from different port inputs: a near tie is a hint, and still a failure.
+    """
     near = 0
     for entry in entries:
         if "swapped_scores" not in entry:
             continue
         b, t = entry["row"]
         start = 0 if cu is None else int(cu[np.searchsorted(cu, t, side="right") - 1])
-        mine = {k: float(scores[b, t, (start + ratio * int(k)) // step]) for k in entry["swapped_scores"]}
-        entry["port_scores"] = mine
-        drift = max(abs(mine[k] - v) for k, v in entry["swapped_scores"].items())
-        gap = max(abs(v - entry["cut"]) for v in entry["swapped_scores"].values())
-        entry["near_tie"] = gap <= 2 * drift
+        exact = {k: score_with_bound(query[b, t], keys[b, (start + ratio * int(k)) // step])
+                 for k in entry["swapped_scores"]}
+        entry["exact_scores"] = {k: e for k, (e, _) in exact.items()}
+        entry["beta"] = {k: beta for k, (_, beta) in exact.items()}
+        same_inputs = all(abs(entry["swapped_scores"][k] - e) <= beta for k, (e, beta) in exact.items())
+        within = all(abs(exact[a][0] - exact[p][0]) <= exact[a][1] + exact[p][1]
+                     for a in entry["upstream_only"] for p in entry["port_only"])
+        entry["near_tie"] = bool(same_inputs and within)
         near += entry["near_tie"]
     return near
 
@@ -651,8 +700,9 @@ def summary_lines(records: list[dict]) -> list[str]:
     near = {r["label"]: r["routes"]["unexplained_near_ties"] for r in records
             if "routes" in r and "unexplained_near_ties" in r["routes"]}
     if fails:
-        lines += ["", "Unexplained route differences (near_tie: the upstream scores of the swapped blocks are "
-                      "within twice the port-vs-upstream score drift of the cut; rounding, still a failure):", ""]
+        lines += ["", "Unexplained route differences (near_tie: the swapped blocks' exact scores, from the "
+                      "port's inputs, are within float32 evaluation error `beta` of each other and upstream's "
+                      "scores within `beta` of them; a hint, still a failure):", ""]
         lines += [f"- {label}: {n} of the unexplained rows are near ties" for label, n in near.items()]
         lines += [f"- {label}: {e}" for label, e in fails]
     return lines

@@ -363,6 +363,84 @@ def test_tie_check_tells_ties_from_real_differences():
     assert not _explain(up, tie - {25}, 0, 25, 4, scores)["tie"], "a different tail is never a tie"
 
 
+def _bf16(a):
+    """float32 values exactly representable in bfloat16 (truncated mantissas)."""
+    return (np.asarray(a, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def test_score_bound_covers_float32_evaluations_in_any_order():
+    """score_with_bound's beta bounds every float32 evaluation of the block score tried here
+    (summation forward, backward, in a random order, numpy's pairwise; products of 16-bit
+    inputs are exact in float32, so fused multiply-adds change nothing) and stays within
+    a few float32 ulps of the terms' magnitude."""
+    from parity.layers import score_with_bound
+
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    u = 2.0 ** -24
+    for _ in range(20):
+        q = _bf16(rng.standard_normal((4, 128)) * rng.uniform(0.1, 30))
+        k = _bf16(rng.standard_normal(128) * rng.uniform(0.1, 30))
+        exact, beta = score_with_bound(q, k)
+        scale = np.float32(1 / np.sqrt(128))
+
+        def evaluate(order, heads):
+            total = np.float32(0)
+            for h in heads:
+                dot = np.float32(0)
+                for d in order:
+                    dot = np.float32(dot + np.float32(q[h, d] * k[d]))
+                total = np.float32(total + max(dot, np.float32(0)))
+            return float(np.float32(total * scale))
+
+        fwd, rev = np.arange(128), np.arange(128)[::-1]
+        pairwise = float(np.float32(np.maximum((q @ k).astype(np.float32), 0).sum(dtype=np.float32) * scale))
+        for value in (evaluate(fwd, range(4)), evaluate(rev, range(4)[::-1]), evaluate(rng.permutation(128), range(4)),
+                      pairwise):
+            assert abs(value - exact) <= beta, (seed, value, exact, beta)
+        magnitude = float((np.abs(q).astype(np.float64) @ np.abs(k)).sum()) / np.sqrt(128)
+        assert beta <= 2**-16 * magnitude + 4 * u * abs(exact), (seed, beta, magnitude)
+
+
+def test_near_tie_marking_tells_float32_swaps_from_real_differences():
+    """A swap at the cut between blocks with equal exact scores (identical keys) whose
+    upstream float32 scores differ by a few ulps is marked a near tie; a swap with a clear
+    score gap is not, nor one where upstream's score is not a float32 evaluation of the
+    port's inputs. Marking never changes what counts as unexplained."""
+    from parity.layers import _explain, mark_near_ties, score_with_bound
+
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    heads, dim, t = 4, 128, 25
+    query = np.zeros((1, t + 1, heads, dim), np.float32)
+    query[0, t] = _bf16(np.abs(rng.standard_normal((heads, dim))))
+    keys = _bf16(np.abs(rng.standard_normal((1, 6, dim))))
+    keys[0, 3] = keys[0, 1]  # blocks 1 and 3: the same exact score
+    keys[0, 2] *= 0.5  # block 2: clearly lower
+    keys[0, 0] = keys[0, 4] = keys[0, 1] * 2  # blocks 0 and 4, kept by both: far above the cut
+    exact = np.array([score_with_bound(query[0, t], keys[0, n])[0] for n in range(6)])
+    up = {i for b in (0, 1, 4) for i in range(4 * b, 4 * b + 4)} | {24, 25}
+    swap = {i for b in (0, 3, 4) for i in range(4 * b, 4 * b + 4)} | {24, 25}
+    wrong = {i for b in (0, 2, 4) for i in range(4 * b, 4 * b + 4)} | {24, 25}
+
+    def marked(mine, scores):
+        entry = {"row": [0, t], **_explain(up, mine, 0, t, 4, scores)}
+        assert not entry["tie"]
+        return mark_near_ties([entry, {"row": [0, 3], "reason": "a padding row has routes"}], query, keys, 4, 4,
+                              None), entry
+
+    scores = exact.astype(np.float32).astype(np.float64)
+    scores[3] = scores[1] - 2 * float(np.spacing(np.float32(exact[1])))  # upstream ranked 3 just below 1
+    count, entry = marked(swap, scores)
+    assert count == 1 and entry["near_tie"], (seed, entry)
+    assert entry["exact_scores"][1] == entry["exact_scores"][3] and entry["beta"][1] > 0
+    count, entry = marked(wrong, scores)
+    assert count == 0 and not entry["near_tie"], (seed, entry)
+    scores[3] = exact[3] * (1 - 1e-3)  # beyond any float32 evaluation of these inputs
+    count, entry = marked(swap, scores)
+    assert count == 0 and not entry["near_tie"], (seed, entry)
+
+
 def test_parity_flags_a_wrong_port(monkeypatch):
     """A norm weight off by 1e-3 fails the forced-route check; a selection biased towards
     later blocks leaves unexplained route differences."""
