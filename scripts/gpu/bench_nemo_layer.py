@@ -267,7 +267,7 @@ def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def cute_preprocess(variant: str, mode: str):
     """With ``mode`` "eager", upstream's FA4 route preprocessing (``fa4_qsa._preprocess``,
     ``torch.compile``'d upstream) runs uncompiled for the ``cute`` variant: on the H200
-    host (torch 2.11, Triton 3.6) ptxas did not finish one Inductor kernel of it in
+    host (torch 2.11, Triton 3.6) ptxas was still compiling its Inductor kernels after
     4 minutes (docs/benchmarks.md). Restored on exit."""
     if variant != "cute" or mode == "compiled":
         yield
@@ -275,7 +275,11 @@ def cute_preprocess(variant: str, mode: str):
     from nemo_automodel.components.models.qwen3_8_flash_next import fa4_qsa
 
     compiled = fa4_qsa._preprocess
-    fa4_qsa._preprocess = getattr(compiled, "_torchdynamo_orig_callable", compiled.__wrapped__)
+    original = getattr(compiled, "_torchdynamo_orig_callable", None) or getattr(compiled, "__wrapped__", None)
+    if original is None:
+        raise RuntimeError("--cute-preprocess eager: upstream's fa4_qsa._preprocess is not a torch.compile "
+                           "wrapper in this nemo-automodel version; run with --cute-preprocess compiled")
+    fa4_qsa._preprocess = original
     try:
         yield
     finally:

@@ -11,6 +11,7 @@
 #   kernels changed since the last timing (warm): bash scripts/gpu/session.sh verify
 #   tile heights across overlap (warm):           bash scripts/gpu/session.sh tiles
 #   which tilings read out of bounds (warm):      bash scripts/gpu/session.sh chunks
+#   a kernel change, in one call (carry .whl):    bash scripts/gpu/session.sh spot
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -19,7 +20,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, spot or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -75,7 +76,7 @@ correctness)
 fa4)
   # upstream's cute (FA4) layer beside ours and flex, both S in one run; FA4's first step
   # JIT-compiles for minutes (needs .gpu/a then .gpu/b installed: carry .gpu/b .gpu/install.sh .whl).
-  # Its route preprocessing runs eager: compiled, ptxas stalls on one of its Inductor kernels
+  # Its route preprocessing runs eager: compiled, ptxas was still on its Inductor kernels after 4 min
   alone nemo 520 python3 scripts/gpu/bench_nemo_layer.py --out "$R/nemo" --seq-lens 8192 32768 --time-budget 400 \
     --cute-preprocess eager --stack-dump-s 120
   ;;
@@ -100,6 +101,19 @@ tiles)
 chunks)
   # each configuration of probe_chunks.py under compute-sanitizer memcheck, side by side
   alone chunks 200 python3 scripts/gpu/probe_chunks.py --out "$R/chunks" --timeout-s 170
+  ;;
+spot)
+  # a kernel change checked in one call: timing at J 0.8 alone, then both frameworks' sanitizer
+  # probes and the Flax layer against upstream's at S=32768 side by side
+  alone bench 130 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.8 \
+    --backends torch-dense-sdpa,triton,jax-triton --time-budget 100 --out "$R/bench"
+  beside sanitize_triton 200 compute-sanitizer --tool memcheck --print-limit 30 \
+    python3 scripts/gpu/check_triton.py --sanitizer-probe
+  beside sanitize_jax 200 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton \
+    --timeout-s 190
+  beside layer 230 python3 scripts/gpu/layer_parity.py --out "$R/layer" --seq-lens 32768 --layouts padded \
+    --time-budget 220
+  wait
   ;;
 recheck)
   # after fixes to what the three calls above found: the pieces that changed, in one call
