@@ -348,6 +348,60 @@ def port_scores(layer, x, freqs, mask, cu):
     return np.asarray(total / np.sqrt(layer.config.indexer_head_dim)), step
 
 
+def port_ranked_scores(layer, x, freqs, mask, cu, rows):
+    """The block scores the port's selection ranks, for ``rows`` (``[(b, t), ...]``).
+
+    Runs the port's indexer once more (unsharded, its own jit) with the score callable of
+    :func:`qsa_jax.indexer.select_routes` copying each chunk's ``[B, c, N]`` float32 scores
+    to the host (an ordered ``jax.debug.callback`` on the very array ``lax.top_k`` ranks).
+    Returns that run's routes (numpy; equal to the routes under comparison when the
+    callback changed nothing) and ``{(b, t): scores [N]}``.
+    """
+    import jax
+    from flax import nnx
+
+    from qsa_jax.qwen3_8_flash_next import indexer as port_indexer
+
+    wanted: dict = {}
+    for b, t in rows:
+        wanted.setdefault(int(t), []).append(int(b))
+    kept, done = {}, [0]
+
+    def keep(total):
+        total = np.asarray(total)
+        for i in range(total.shape[1]):
+            for b in wanted.get(done[0] + i, ()):
+                kept[(b, done[0] + i)] = total[b, i].copy()
+        done[0] += total.shape[1]
+
+    real = port_indexer._head_sum_score
+
+    def recording(dim):
+        score = real(dim)
+
+        def ranked(relu_dots):
+            total = score(relu_dots)
+            jax.debug.callback(keep, total, ordered=True)
+            return total
+
+        return ranked
+
+    port_indexer._head_sum_score = recording
+    try:
+        step = nnx.jit(lambda m, a, f, k, c: m.indexer(a, freqs_cis=f, attention_mask=k, cu_seqlens=c))
+        routes = np.asarray(step(layer, *_port_arrays(x, freqs, mask, cu)))
+    finally:
+        port_indexer._head_sum_score = real
+    return routes, kept
+
+
+def _port_arrays(x, freqs, mask, cu):
+    import jax.numpy as jnp
+
+    return (jnp.asarray(x), jnp.asarray(freqs), None if mask is None else jnp.asarray(mask, jnp.int32),
+            None if cu is None else jnp.asarray(cu, jnp.int32))
+
+
 def score_with_bound(query_row, key):
     """The block score ``sum_h relu(q_h . k) / sqrt(D)`` of one query row ``[H, D]`` and one
     block key ``[D]``, exactly (float64 of the 16/32-bit inputs), and ``beta``: a bound on how
@@ -524,10 +578,15 @@ def run_case(case: LayerCase, seed: int, *, implementation=None, device: str = "
     if own.shape[-1] > width and (own[..., width:] >= 0).any():
         agreement["unexplained"] += 1
         agreement["failures"].append({"reason": "port routes longer than the visible extent"})
-    if any("swapped_scores" in f for f in unexplained):
+    swapped = [e for e in unexplained if "swapped_scores" in e]
+    if swapped:
         query, keys, step = port_score_inputs(port, x_np, freqs_np, mask, cu)
+        ranked = None
+        if mesh is None:
+            again, ranked = port_ranked_scores(port, x_np, freqs_np, mask, cu, [e["row"] for e in swapped])
+            agreement["ranked_scores_routes_equal"] = bool((again == own).all())
         agreement["unexplained_near_ties"] = mark_near_ties(unexplained, query, keys, step,
-                                                            port.config.indexer_compress_ratio, cu)
+                                                            port.config.indexer_compress_ratio, cu, ranked)
     for entry in agreement["examples"] + agreement["failures"]:
         entry.pop("port_kept", None)
     free = _compare({"out": out, "dx": dx, **grads}, upstream, tol)
@@ -547,7 +606,7 @@ def run_case(case: LayerCase, seed: int, *, implementation=None, device: str = "
     return record
 
 
-def mark_near_ties(entries: list, query, keys, step: int, ratio: int, cu) -> int:
+def mark_near_ties(entries: list, query, keys, step: int, ratio: int, cu, ranked=None) -> int:
     """Mark the unexplained rows whose swap float32 evaluation error could cause; count them.
 
     Both sides evaluate the same score formula in float32, each in its own summation order
@@ -558,8 +617,11 @@ def mark_near_ties(entries: list, query, keys, step: int, ratio: int, cu) -> int
     of its swapped blocks and ``near_tie`` = upstream's scores are within ``beta`` of the
     exact ones (upstream evaluated these inputs) and every upstream-only block ``a`` and
     port-only block ``p`` have ``|e_a - e_p| <= beta_a + beta_p`` (either order is a float32
-    outcome). The port's own ranked scores are not captured, so this cannot tell summation
-    order from different port inputs: a near tie is a hint, and still a failure.
+    outcome). With ``ranked`` (:func:`port_ranked_scores`: ``{(b, t): scores}``, the
+    scores the port's selection ranked) the entry gets ``port_ranked_scores`` and
+    ``port_inputs_same``: those are within ``beta`` of the exact ones too, so the port's
+    selection saw these inputs; where they are not, its projections rounded differently
+    and the entry is no near tie. A near tie is still a failure.
     """
     near = 0
     for entry in entries:
@@ -574,6 +636,13 @@ def mark_near_ties(entries: list, query, keys, step: int, ratio: int, cu) -> int
         same_inputs = all(abs(entry["swapped_scores"][k] - e) <= beta for k, (e, beta) in exact.items())
         within = all(abs(exact[a][0] - exact[p][0]) <= exact[a][1] + exact[p][1]
                      for a in entry["upstream_only"] for p in entry["port_only"])
+        if ranked is not None and (b, t) in ranked:
+            mine = {k: float(ranked[(b, t)][(start + ratio * int(k)) // step]) for k in exact}
+            entry["port_ranked_scores"] = mine
+            entry["port_inputs_same"] = all(abs(mine[k] - e) <= beta for k, (e, beta) in exact.items())
+            if not entry["port_inputs_same"]:
+                entry["reason"] += "; the port ranked scores of other inputs (its bf16 projections rounded differently)"
+            same_inputs = same_inputs and entry["port_inputs_same"]
         entry["near_tie"] = bool(same_inputs and within)
         near += entry["near_tie"]
     return near

@@ -91,28 +91,34 @@ def _check_routes(routes, scores, starts, layout_rows, cfg):
             assert min(scores[b, t, chosen]) >= max(scores[b, t, rest]) - 1e-6, (b, t)
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_selection_keeps_a_true_top_k_in_the_qsa_format(layout):
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from parity.layers import port_scores
-    from qsa_jax.qwen3_8_flash_next import rotary_freqs
-
-    rng = np.random.default_rng()
-    layer = tiny_layer(int(rng.integers(2**31)))
-    cfg = layer.config
-    s = 83
+def _selection_layout(layout: str, s: int):
+    """``(mask, cu_seqlens, positions, rows)`` of a padded batch (lengths s, 41, 0) or a
+    packed row (documents 2, 40, 3, s - 45); rows: ``(b, t, doc start, real)``."""
     if layout == "padded":
         lengths = np.array([s, 41, 0])
         mask = (np.arange(s)[None] < lengths[:, None]).astype(np.int32)
-        cu, pos = None, np.broadcast_to(np.arange(s), mask.shape)
-        rows = [(b, t, 0, t < lengths[b]) for b in range(3) for t in range(s)]
-    else:
-        docs = [2, 40, 3, 38]
-        cu = np.concatenate([[0], np.cumsum(docs)]).astype(np.int32)
-        mask, pos = None, np.concatenate([np.arange(d) for d in docs])[None]
-        rows = [(0, t, int(cu[np.searchsorted(cu, t, side="right") - 1]), True) for t in range(s)]
+        return mask, None, np.broadcast_to(np.arange(s), mask.shape), [(b, t, 0, t < lengths[b])
+                                                                         for b in range(3) for t in range(s)]
+    docs = [2, 40, 3, s - 45]
+    cu = np.concatenate([[0], np.cumsum(docs)]).astype(np.int32)
+    rows = [(0, t, int(cu[np.searchsorted(cu, t, side="right") - 1]), True) for t in range(s)]
+    return None, cu, np.concatenate([np.arange(d) for d in docs])[None], rows
+
+
+@pytest.mark.parametrize("layout,chunk", [("padded", None), ("packed", None), ("padded", 16), ("packed", 16)])
+def test_selection_keeps_a_true_top_k_in_the_qsa_format(layout, chunk):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from parity.layers import port_ranked_scores, port_scores
+    from qsa_jax.qwen3_8_flash_next import rotary_freqs
+
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    layer = tiny_layer(seed, qsa_indexer_query_chunk_size=chunk)
+    cfg = layer.config
+    s = 83
+    mask, cu, pos, rows = _selection_layout(layout, s)
     x = jnp.asarray(rng.standard_normal((len(pos), s, cfg.hidden_size)), jnp.float32)
     freqs = rotary_freqs(cfg, pos)
     kw = dict(attention_mask=None if mask is None else jnp.asarray(mask), cu_seqlens=None if cu is None else jnp.asarray(cu))
@@ -120,6 +126,17 @@ def test_selection_keeps_a_true_top_k_in_the_qsa_format(layout):
     assert routes.dtype == np.int32 and routes.shape == (len(pos), s, cfg.route_width)
     scores, step = port_scores(layer, x, freqs, mask, cu)
     _check_routes(routes, scores, np.arange(scores.shape[-1]) * step, rows, cfg)
+    # parity's port_ranked_scores: the selection rerun with the scores it ranks copied out
+    # (per query chunk; the last one padded): the same routes, and they are the true top-k
+    # of those scores, which equal the diagnostic re-scoring's to float32 rounding
+    wanted = [(b, t) for b, t, _, real in rows if real]
+    again, ranked = port_ranked_scores(layer, x, freqs, mask, cu, wanted)
+    assert (again == routes).all() and set(ranked) == set(wanted), seed
+    copied = np.full(scores.shape, np.nan, np.float32)
+    for (b, t), values in ranked.items():
+        copied[b, t] = values
+    np.testing.assert_allclose(copied[~np.isnan(copied)], scores[~np.isnan(copied)], rtol=1e-5, atol=1e-6)
+    _check_routes(routes, copied, np.arange(scores.shape[-1]) * step, [r for r in rows if r[3]], cfg)
     out = np.asarray(nnx.jit(lambda m, a, f, k: m(a, freqs_cis=f, **k))(layer, x, freqs, kw))
     padding = np.array([[not r for (bb, tt, _, r) in rows if bb == b] for b in range(len(pos))])
     assert (out[padding] == 0).all() and np.isfinite(out).all()
@@ -439,6 +456,16 @@ def test_near_tie_marking_tells_float32_swaps_from_real_differences():
     scores[3] = exact[3] * (1 - 1e-3)  # beyond any float32 evaluation of these inputs
     count, entry = marked(swap, scores)
     assert count == 0 and not entry["near_tie"], (seed, entry)
+
+    # the port's ranked scores: the same inputs (within beta of the exact ones), or not
+    scores[3] = scores[1] - 2 * float(np.spacing(np.float32(exact[1])))
+    entry = {"row": [0, t], **_explain(up, swap, 0, t, 4, scores)}
+    ranked = {(0, t): exact.astype(np.float32)}
+    assert mark_near_ties([entry], query, keys, 4, 4, None, ranked) == 1 and entry["port_inputs_same"], seed
+    entry = {"row": [0, t], **_explain(up, swap, 0, t, 4, scores)}
+    ranked[(0, t)] = ranked[(0, t)] * np.float32(1 + 1e-3)
+    assert mark_near_ties([entry], query, keys, 4, 4, None, ranked) == 0 and not entry["port_inputs_same"], seed
+    assert "its bf16 projections rounded differently" in entry["reason"]
 
 
 def test_parity_flags_a_wrong_port(monkeypatch):
