@@ -243,22 +243,28 @@ def test_overlap_sweep_end_to_end_on_cpu(tmp_path):
     assert "## Route sets" in (out / "bench.md").read_text()
 
 
-def test_probe_tiles_dry_run(tmp_path):
-    """scripts/gpu/probe_tiles.py end to end on CPU (Triton's interpreter, tiny shapes), so
-    that a GPU session never spends device time on a broken probe: every configuration is
-    measured and agrees with the default's results."""
+def _probe_dry_run(name: str, tmp_path) -> dict:
+    """Run ``scripts/gpu/<name>.py --dry-run`` (Triton's interpreter); the entries of its
+    report's one overlap section."""
     pytest.importorskip("triton")
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = os.path.join(root, "scripts", "gpu", "probe_tiles.py")
+    script = os.path.join(root, "scripts", "gpu", f"{name}.py")
     done = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--dry-run"], capture_output=True,
                           text=True, cwd=root, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    with open(tmp_path / "probe_tiles.json") as f:
+    with open(tmp_path / f"{name}.json") as f:
         report = json.load(f)
     (section,) = [key for key in report if key.startswith("J=")]
-    entries = report[section]
+    return report[section]
+
+
+def test_probe_tiles_dry_run(tmp_path):
+    """scripts/gpu/probe_tiles.py end to end on CPU (Triton's interpreter, tiny shapes), so
+    that a GPU session never spends device time on a broken probe: every configuration is
+    measured and agrees with the default's results."""
+    entries = _probe_dry_run("probe_tiles", tmp_path)
     assert set(entries) == {"routes", "default", "flat64"}
     assert all(entry["ok"] for entry in entries.values()), entries
     result = entries["flat64"]["result"]
@@ -290,3 +296,14 @@ def test_probe_chunks_cases_follow_the_refusal_rule():
             assert "need backward_block_k >= 64" in str(err)
             refused.add(name)
     assert refused == {"flat64_k32", "padded_g8_k32", "padded_g8_k16"}
+
+
+def test_probe_atomics_dry_run(tmp_path):
+    """scripts/gpu/probe_atomics.py end to end on CPU (Triton's interpreter, tiny shapes):
+    both backward timings are recorded, and the copy with its adds masked off leaves dK/dV
+    zero while dQ is bitwise the shipped kernel's (so it computes everything else)."""
+    entries = _probe_dry_run("probe_atomics", tmp_path)
+    assert all(entries[name]["ok"] for name in ("backward_ms", "adds_off_ms", "adds_off_check")), entries
+    assert entries["adds_off_check"]["result"] == {"dk_dv_zero": True, "dq_equal": True}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert not any(name.startswith("_probe_") for name in os.listdir(os.path.join(root, "qsa_triton")))

@@ -32,7 +32,8 @@ import numpy as np  # noqa: E402
 
 from qsa_common.oracle import relative_error as _numpy_relative_error  # noqa: E402
 
-__all__ = ["ROOT", "Record", "cuda_ms", "jax_ms", "log", "max_abs_diff", "relative_error"]
+__all__ = ["ROOT", "ProbeShape", "Record", "cuda_ms", "jax_ms", "log", "max_abs_diff", "probe_shape",
+           "relative_error", "wall_ms"]
 
 
 def log(*args) -> None:
@@ -91,6 +92,44 @@ def cuda_ms(fn, reps: int = 10, warmup: int = 2) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def wall_ms(fn) -> float:
+    """Milliseconds of one call of ``fn()`` by the wall clock (the probes' CPU dry runs)."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+class ProbeShape:
+    """What the torch Triton probes run on: ``heads``, ``head_dim``, ``top_k``, ``device``,
+    ``timer`` (:func:`cuda_ms`, or :func:`wall_ms` in a dry run), ``seq_len``, ``overlaps``."""
+
+    def __init__(self, heads, head_dim, top_k, device, timer, seq_len, overlaps):
+        self.heads, self.head_dim, self.top_k, self.device = heads, head_dim, top_k, device
+        self.timer, self.seq_len, self.overlaps = timer, seq_len, list(overlaps)
+
+    def inputs(self):
+        """Seeded bf16 ``q, k, v, do`` (B=1)."""
+        import torch
+
+        hq, hkv = self.heads
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        shape_q, shape_kv = (1, self.seq_len, hq, self.head_dim), (1, self.seq_len, hkv, self.head_dim)
+        q, do = (torch.randn(shape_q, generator=gen, device=self.device, dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(shape_kv, generator=gen, device=self.device, dtype=torch.bfloat16) for _ in range(2))
+        return q, k, v, do
+
+
+def probe_shape(dry_run: bool, seq_len: int, overlaps, dry_seq_len: int = 768) -> ProbeShape:
+    """The H200 shape ((24,2), D=256, top_k 512, CUDA events), or with ``dry_run`` a tiny one
+    in Triton's interpreter ((6,1), D=32, top_k 4, ``dry_seq_len`` rows, the first overlap,
+    one wall-clock call); a dry run sets ``TRITON_INTERPRET`` (call it before importing
+    the kernels)."""
+    if not dry_run:
+        return ProbeShape((24, 2), 256, 512, "cuda", cuda_ms, seq_len, overlaps)
+    os.environ["TRITON_INTERPRET"] = "1"
+    return ProbeShape((6, 1), 32, 4, "cpu", wall_ms, dry_seq_len, list(overlaps)[:1])
 
 
 def jax_ms(fn, *args, reps: int = 10, warmup: int = 2) -> float:

@@ -22,13 +22,11 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_common import Record, cuda_ms, log, relative_error  # noqa: E402
+from gpu_common import Record, log, probe_shape, relative_error  # noqa: E402
 
-HEADS, HEAD_DIM, TOP_K = (24, 2), 256, 512
 
 
 def configs(names):
@@ -55,12 +53,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
     args = parser.parse_args(argv)
     chosen = configs(args.configs)
-    heads, head_dim, top_k, device, timer = HEADS, HEAD_DIM, TOP_K, "cuda", cuda_ms
-    if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
-        # unions narrower than S (T * width < S), as at the GPU's sizes: a wrong K shows
-        heads, head_dim, top_k, device, timer = (6, 1), 32, 4, "cpu", _wall_ms
-        args.seq_len, args.overlaps = 768, args.overlaps[:1]
+    # dry run: unions narrower than S (T * width < S), as at the GPU's sizes, so a wrong K shows
+    shape = probe_shape(args.dry_run, args.seq_len, args.overlaps, dry_seq_len=768)
+    heads, head_dim, top_k, device, timer = shape.heads, shape.head_dim, shape.top_k, shape.device, shape.timer
+    args.seq_len, args.overlaps = shape.seq_len, shape.overlaps
 
     import torch
 
@@ -70,12 +66,8 @@ def main(argv=None) -> int:
 
     record = Record(os.path.join(args.out, "probe_tiles.json"), args.budget_s, seq_len=args.seq_len,
                     heads=heads, head_dim=head_dim, configs={k: dataclasses.asdict(v) for k, v in chosen.items()})
-    hq, hkv = heads
-    group = hq // hkv
-    gen = torch.Generator(device=device).manual_seed(0)
-    shape_q, shape_kv = (1, args.seq_len, hq, head_dim), (1, args.seq_len, hkv, head_dim)
-    q, do = (torch.randn(shape_q, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(shape_kv, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2))
+    group = heads[0] // heads[1]
+    q, k, v, do = shape.inputs()
     scale = head_dim ** -0.5
     tilings = tuple(Tiling(pairs=p) for p in sorted({b.block_m for b in chosen.values()}))
     for overlap in args.overlaps:
@@ -114,12 +106,6 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     log("done")
     return 0
-
-
-def _wall_ms(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
 #   kernels changed since the last timing (warm): bash scripts/gpu/session.sh verify
 #   tile heights across overlap (warm):           bash scripts/gpu/session.sh tiles
 #   which tilings read out of bounds (warm):      bash scripts/gpu/session.sh chunks
+#   the backward's dK/dV atomics' cost (warm):    bash scripts/gpu/session.sh atomics
 #   a kernel change, in one call (carry .whl):    bash scripts/gpu/session.sh spot
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
@@ -20,7 +21,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, spot or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -101,6 +102,10 @@ tiles)
 chunks)
   # each configuration of probe_chunks.py under compute-sanitizer memcheck, side by side
   alone chunks 200 python3 scripts/gpu/probe_chunks.py --out "$R/chunks" --timeout-s 170
+  ;;
+atomics)
+  # the backward kernel with and without its dK/dV adds' memory traffic (issue 18)
+  alone atomics 200 python3 scripts/gpu/probe_atomics.py --out "$R/atomics" --budget-s 170
   ;;
 spot)
   # a kernel change checked in one call: timing at J 0.8 alone, then both frameworks' sanitizer
