@@ -337,6 +337,7 @@ def _triton_pieces(q, k, v, do, routes, scale, timer, deadline) -> dict:
         both = functools.partial(triton_qsa.forward_with_residuals, q, k, v, routes, scale)
         result["piece_unions_fwd_ms"] = _measure(timer, both, deadline=deadline)["median_ms"]
         out, lse, *unions = both()
+        result.update(_union_traffic(q, k, unions[1]))
         backward = functools.partial(triton_qsa.backward_from_residuals, do, q, k, v, out, lse, *unions,
                                      scale, top_k)
         result["piece_bwd_ms"] = _measure(timer, backward, deadline=deadline)["median_ms"]
@@ -355,6 +356,24 @@ def _triton_pieces(q, k, v, do, routes, scale, timer, deadline) -> dict:
     if missing:
         result["pieces_note"] = f"qsa_torch.triton_qsa has no {' / '.join(missing)}: " + (
             "forward kernel by difference" if build is not None else "unions and forward kernel timed together")
+    return result
+
+
+def _union_traffic(q, k, count) -> dict:
+    """Bytes the kernels move per union ID, from the forward's union ``count`` ``[B, n_tiles]``:
+    every program gathers one K and one V row per ID of its union, once per KV head
+    (``gather_bytes``, forward kernel); a flat plan's backward walks the same programs,
+    gathers the same rows and adds a [2, D] fp32 dK/dV block per ID (``bwd_add_bytes``;
+    absent for padded plans, whose backward tiles are cut finer)."""
+    from qsa_torch import triton_qsa
+    from qsa_triton import make_plan
+
+    hkv, head_dim = k.shape[2], q.shape[3]
+    ids = int(count.sum()) * hkv
+    result = {"union_ids": ids, "gather_bytes": ids * 2 * head_dim * q.element_size()}
+    blocks = triton_qsa.default_block_sizes(q.device, head_dim, q.dtype)
+    if make_plan(q.shape[2] // hkv, head_dim, blocks).flat:
+        result["bwd_add_bytes"] = ids * 2 * head_dim * 4
     return result
 
 

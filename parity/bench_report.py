@@ -10,6 +10,11 @@ Definitions (also printed in bench.md):
 * ÷dense: time over the same framework's dense causal attention at the same S and
   heads (the other framework's where that one is missing). ÷triton: a JAX backend's
   time over torch Triton's on the same shape and routes.
+* TB/s of the pieces (torch Triton): bytes moved per union ID over the kernel's time. The
+  forward kernel gathers one K and one V row per ID of each program's union, per KV head
+  (``gather_bytes``); a flat plan's backward gathers the same and adds a [2, D] fp32 dK/dV
+  block per ID (``+ bwd_add_bytes``). Both kernels' times follow this traffic, not their
+  tensor-core work (docs/design-token-gather.md).
 * J: mean adjacent-row Jaccard of the route sets (token level; for QSA-format routes
   over the rows past the identity region); inflation: union entries x matrix rows over
   useful entries for the kernels' default tiling, flat programs of 128 (row, head)
@@ -76,6 +81,11 @@ def enrich(records: list[dict]) -> list[dict]:
             for key in ("fwd_ms", "fwdbwd_ms"):
                 if r.get(key) and torch_kernel.get(key):
                     r[f"{key[:-3]}_vs_triton"] = r[key] / torch_kernel[key]
+        if r.get("status") == "ok" and r.get("gather_bytes"):
+            if r.get("piece_fwd_ms"):
+                r["piece_fwd_tbs"] = r["gather_bytes"] / (r["piece_fwd_ms"] * 1e-3) / 1e12
+            if r.get("piece_bwd_ms") and r.get("bwd_add_bytes"):
+                r["piece_bwd_tbs"] = (r["gather_bytes"] + r["bwd_add_bytes"]) / (r["piece_bwd_ms"] * 1e-3) / 1e12
         rows.append(r)
     return rows
 
@@ -169,19 +179,22 @@ def _piece_table(rows: list[dict]) -> list[str]:
     measured = [r for r in rows if r.get("piece_bwd_ms") or r.get("pieces_reason")]
     if not measured:
         return []
-    header = _SHAPE + ["J", "infl.", "unions ms", "fwd kernel ms", "fwd TFLOP/s", "unions+fwd ms",
-                       "bwd kernel ms", "bwd TFLOP/s", "fwd+bwd ms", "note"]
+    header = _SHAPE + ["J", "infl.", "unions ms", "fwd kernel ms", "fwd TFLOP/s", "fwd TB/s", "unions+fwd ms",
+                       "bwd kernel ms", "bwd TFLOP/s", "bwd TB/s", "fwd+bwd ms", "note"]
     body = []
     for r in sorted(measured, key=lambda r: (r["family"], *_order(r))):
         fwd = _cell(r.get("piece_fwd_ms")) + (" (diff.)" if r.get("piece_fwd_by_difference") else "")
         body.append(_shape_cells(r) + [
             _cell(r.get("jaccard"), "{:.3f}"), _cell(_inflation(r)), _cell(r.get("piece_unions_ms")), fwd,
-            _cell(r.get("piece_fwd_tflops"), "{:.3g}"), _cell(r.get("piece_unions_fwd_ms")),
-            _cell(r.get("piece_bwd_ms")), _cell(r.get("piece_bwd_tflops"), "{:.3g}"), _cell(r.get("fwdbwd_ms")),
+            _cell(r.get("piece_fwd_tflops"), "{:.3g}"), _cell(r.get("piece_fwd_tbs")),
+            _cell(r.get("piece_unions_fwd_ms")), _cell(r.get("piece_bwd_ms")),
+            _cell(r.get("piece_bwd_tflops"), "{:.3g}"), _cell(r.get("piece_bwd_tbs")), _cell(r.get("fwdbwd_ms")),
             (r.get("pieces_reason") or r.get("pieces_note") or "")[:160]])
     return _section("Per piece", "Each piece timed on its own (median, L2 flushed): route unions, forward "
                     "kernel (\"diff.\": unions+forward minus unions), backward kernel from the forward's "
-                    "residuals. fwd+bwd: the whole autograd step, as in the first table.", header, body)
+                    "residuals. fwd+bwd: the whole autograd step, as in the first table. TB/s: union-ID "
+                    "traffic (gathered K/V rows; the backward adds its fp32 dK/dV blocks) over the kernel's "
+                    "time.", header, body)
 
 
 def _versus_triton_table(rows: list[dict]) -> list[str]:

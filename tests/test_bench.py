@@ -123,9 +123,11 @@ def test_triton_pieces_with_and_without_the_split_entry_points(monkeypatch):
     fake.backward_from_residuals = backward_from_residuals
     monkeypatch.setitem(sys.modules, "qsa_torch.triton_qsa", fake)
     monkeypatch.setattr(qsa_torch, "triton_qsa", fake, raising=False)
+    monkeypatch.setattr(bench, "_union_traffic", lambda q, k, count: {"union_ids": count})
     routes = np.zeros((1, 4, 12), dtype=np.int32)
     pieces = bench._triton_pieces(None, None, None, None, routes, 0.5, _FakeTimer(), float("inf"))
     assert pieces["piece_unions_fwd_ms"] == 7.0 and pieces["piece_bwd_ms"] == 20.0
+    assert pieces["union_ids"] == "count"  # the forward's union counts
     assert "piece_unions_ms" not in pieces and "timed together" in pieces["pieces_note"]
     fake.route_unions = lambda q, k, routes: (2.5,)
     pieces = bench._triton_pieces(None, None, None, None, routes, 0.5, _FakeTimer(), float("inf"))
@@ -134,6 +136,39 @@ def test_triton_pieces_with_and_without_the_split_entry_points(monkeypatch):
     pieces = bench._triton_pieces(None, None, None, None, routes, 0.5, _FakeTimer(), float("inf"))
     assert pieces["piece_fwd_ms"] == 4.0
     assert "piece_fwd_by_difference" not in pieces and "pieces_note" not in pieces
+
+
+@pytest.mark.parametrize("heads,flat", [((12, 1), True), ((12, 1), False), ((8, 2), False)])
+def test_union_traffic_counts_every_programs_gathers(heads, flat, monkeypatch):
+    """_union_traffic on real unions (Triton's interpreter): one K and one V row per union ID
+    of every program, per KV head, in the inputs' dtype; a flat plan's backward adds a
+    [2, D] fp32 block per ID, a padded one's is not counted."""
+    pytest.importorskip("triton")
+    import torch
+
+    from qsa_common.layouts import make_problem
+    from qsa_torch import triton_qsa
+    from qsa_triton import BlockSizes, make_plan
+
+    if flat:  # the default configuration's shape (flat programs) at interpreter sizes
+        blocks = BlockSizes(block_m=32, block_k=16, backward_block_k=16, flatten_heads=True)
+        monkeypatch.setattr(triton_qsa, "default_block_sizes", lambda device, head_dim, dtype: blocks)
+
+    problem = make_problem("padded", "qsa", seed=3, seq_len=48, top_k=4)
+    hq, hkv = heads
+    q = torch.zeros((problem.routes.shape[0], 48, hq, 32), dtype=torch.bfloat16)
+    k = torch.zeros((problem.routes.shape[0], problem.kv_length, hkv, 32), dtype=torch.bfloat16)
+    routes = torch.from_numpy(problem.routes)
+    union, count, rowbits = triton_qsa.route_unions(q, k, routes)
+    traffic = bench._union_traffic(q, k, count)
+    ids = int(count.sum()) * hkv
+    assert traffic["union_ids"] == ids > 0 and traffic["gather_bytes"] == ids * 2 * 32 * 2
+    # every counted ID is a distinct valid route of the program's rows
+    assert int((union >= 0).sum()) * hkv == ids
+    assert make_plan(hq // hkv, 32, triton_qsa.default_block_sizes(q.device, 32, q.dtype)).flat == flat
+    assert ("bwd_add_bytes" in traffic) == flat
+    if flat:
+        assert traffic["bwd_add_bytes"] == ids * 2 * 32 * 4
 
 
 # ------------------------------------------------------------------ report
@@ -155,7 +190,7 @@ def _sweep_records() -> list[dict]:
         records += [
             _row("triton", "torch", family, fwd_ms=ms / 5, fwdbwd_ms=ms, piece_unions_fwd_ms=ms / 5,
                  piece_unions_ms=ms / 20, piece_fwd_ms=ms / 5 - ms / 20, piece_fwd_by_difference=True,
-                 piece_bwd_ms=ms * 0.7, **stats),
+                 piece_bwd_ms=ms * 0.7, gather_bytes=2 * 10**10, bwd_add_bytes=4 * 10**10, **stats),
             _row("jax-triton", "jax", family, fwd_ms=ms / 5 * 1.02, fwdbwd_ms=ms * 1.04, **stats),
             _row("jax-pallas", "jax", family, fwd_ms=ms / 4, fwdbwd_ms=ms * 1.1, **stats),
         ]
@@ -169,6 +204,9 @@ def test_report_with_fake_timings(tmp_path):
     flops = 4.0 * 6e7 * 24 * 256
     assert triton["piece_fwd_tflops"] == pytest.approx(flops / ((40 / 5 - 2) * 1e-3) / 1e12)
     assert triton["piece_bwd_tflops"] == pytest.approx(2.5 * flops / (28e-3) / 1e12)
+    assert triton["piece_fwd_tbs"] == pytest.approx(2e10 / 6e-3 / 1e12)
+    assert triton["piece_bwd_tbs"] == pytest.approx(6e10 / 28e-3 / 1e12)
+    assert "piece_fwd_tbs" not in jax_triton
     assert triton["fwdbwd_vs_dense"] == pytest.approx(0.4)  # torch dense
     assert jax_triton["fwdbwd_vs_dense"] == pytest.approx(40 * 1.04 / 102)  # JAX dense
     assert jax_triton["fwdbwd_vs_triton"] == pytest.approx(1.04)
@@ -184,6 +222,7 @@ def test_report_with_fake_timings(tmp_path):
     assert "| 32768 | 24:2 | qsa@0.8 | triton | 8.00 |" in markdown
     assert "| 0.800 | 1.58 |" in markdown  # J and inflation columns of the main table
     assert "## Per piece" in markdown and "| 2.00 | 6.00 (diff.) |" in markdown
+    assert "| 3.33 | 8.00 | 28.00 |" in markdown and "| 2.14 | 40.00 |" in markdown  # TB/s fwd, bwd
     assert "## JAX vs torch Triton" in markdown and "| jax-triton | 8.16 | 1.020 | 41.60 | 1.040 |" in markdown
     assert "| 32768 | qsa@0.3 | 12 | 0.3 | 0.310 | 0.320 |" in markdown
     main_rows = markdown.split("## Per piece")[0].splitlines()
