@@ -37,7 +37,7 @@ from ._pallas_tiles import flat_route_union, tile_route_union
 from ._pallas_tiles import pad_head_dim as _pad_head_dim
 from ._pallas_tiles import restore_queries as _restore_queries
 from ._pallas_tiles import route_union as _route_union
-from .routes import gpu_capability, on_gpu, prepare_routes, validate_inputs
+from .routes import UnsupportedDtype, UnsupportedShape, gpu_capability, on_gpu, prepare_routes, validate_inputs
 
 __all__ = ["BlockSizes", "flat_route_union", "pallas_sparse_gqa_attention", "tile_route_union"]
 
@@ -260,9 +260,11 @@ def pallas_sparse_gqa_attention(
     fp32 atomics: not bitwise deterministic, so ``deterministic=True`` is declined.
 
     Raises:
-        NotImplementedError: f64 inputs, D > 256, S_kv >= 2**27 (use
-            ``implementation="xla"``), ``block_sizes`` of another class, or
-            ``deterministic=True`` (use ``implementation="triton"``).
+        UnsupportedDtype (a TypeError and NotImplementedError): f64 inputs.
+        UnsupportedShape (a ValueError and NotImplementedError): D > 256.
+        NotImplementedError: S_kv >= 2**27 (use ``implementation="xla"``),
+            ``block_sizes`` of another class, or ``deterministic=True`` (use
+            ``implementation="triton"``).
     """
     if deterministic:
         raise NotImplementedError("deterministic=True needs implementation='triton' (the Pallas backward adds "
@@ -273,9 +275,9 @@ def pallas_sparse_gqa_attention(
         raise NotImplementedError("block_sizes for the Pallas kernels must be a qsa_jax.pallas_qsa.BlockSizes, "
                                   f"got {type(block_sizes).__name__}")
     if jnp.dtype(query.dtype) == jnp.float64:
-        raise NotImplementedError("the Pallas kernels take bf16/f16/f32, not float64")
+        raise UnsupportedDtype("the Pallas kernels take bf16/f16/f32, not float64")
     if checked.dims.head_dim > 256:
-        raise NotImplementedError(f"the Pallas kernels support head dim <= 256, got {checked.dims.head_dim}")
+        raise UnsupportedShape(f"the Pallas kernels support head dim <= 256, got {checked.dims.head_dim}")
     if checked.dims.kv_length * 16 >= 2**31:
         raise NotImplementedError(
             f"the Pallas kernels need S_kv < 2**27, got {checked.dims.kv_length} (int32 sort keys)"

@@ -3,6 +3,10 @@
 * :func:`prepare_routes`: host-side guard for int64 routes when JAX runs
   without x64 (JAX would otherwise wrap huge IDs into valid int32 ones).
 * :func:`validate_inputs`: the contract's checks with its exception types.
+* :class:`UnsupportedDtype` / :class:`UnsupportedShape`: an implementation declining
+  valid inputs it does not run: the contract's TypeError / ValueError, and a
+  NotImplementedError, which :func:`qsa_jax.sparse_gqa_attention` reads as "try the
+  next implementation".
 * :func:`normalize_routes`: canonical routes (invalid -> -1, duplicates -> -1,
   optionally sorted), int32, traceable under ``jit``.
 * :func:`generate_problem`: the numpy generators of :mod:`qsa_common` as JAX
@@ -23,6 +27,8 @@ from qsa_common.contract import ProblemDims, check_shapes, resolve_scale
 
 __all__ = [
     "ProblemDims",
+    "UnsupportedDtype",
+    "UnsupportedShape",
     "Validated",
     "on_gpu",
     "prepare_routes",
@@ -34,6 +40,17 @@ __all__ = [
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 _INT32 = np.iinfo(np.int32)
+
+
+class UnsupportedDtype(NotImplementedError, TypeError):
+    """A dtype the contract allows but this implementation's kernels do not take (float64 for
+    the GPU kernels): a TypeError, as the contract has it for a dtype a fast path does not
+    take, and a NotImplementedError, so the dispatcher moves on to the next implementation."""
+
+
+class UnsupportedShape(NotImplementedError, ValueError):
+    """A shape the contract allows but this implementation's kernels do not take (head dim
+    > 256): a ValueError and, for the dispatcher, a NotImplementedError."""
 
 
 @dataclass(frozen=True)

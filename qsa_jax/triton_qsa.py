@@ -29,7 +29,7 @@ from qsa_triton.plan import Plan, backward_cut, make_plan, union_recipe
 
 from . import _triton_call
 from ._triton_call import cut_unions, operand, sorted_unions
-from .routes import gpu_capability, on_gpu, prepare_routes, validate_inputs
+from .routes import UnsupportedDtype, UnsupportedShape, gpu_capability, on_gpu, prepare_routes, validate_inputs
 
 __all__ = ["BlockSizes", "build_unions", "forward_with_lse", "input_maxima", "plan_for", "triton_sparse_gqa_attention"]
 
@@ -150,9 +150,9 @@ def _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes, la
     routes = prepare_routes(selected_token_ids)
     checked = validate_inputs(query, key, value, routes, softmax_scale)
     if jnp.dtype(query.dtype).name not in _DTYPES:
-        raise NotImplementedError(f"the Triton kernels take bf16/f16/f32, not {jnp.dtype(query.dtype).name}")
+        raise UnsupportedDtype(f"the Triton kernels take bf16/f16/f32, not {jnp.dtype(query.dtype).name}")
     if checked.dims.head_dim > 256:
-        raise NotImplementedError(f"the Triton kernels support head dim <= 256, got {checked.dims.head_dim}")
+        raise UnsupportedShape(f"the Triton kernels support head dim <= 256, got {checked.dims.head_dim}")
     if launcher is None:
         launcher = _triton_call.default_launcher()
         if not on_gpu(query):
@@ -190,8 +190,10 @@ def triton_sparse_gqa_attention(query, key, value, selected_token_ids, softmax_s
     Raises:
         TypeError / ValueError: the contract's input checks.
         ImportError: jax-triton is not installed or cannot load (first use only).
-        NotImplementedError: inputs off the GPU, float64, D > 256, other block sizes'
-            classes, or sort keys that need int64 without x64 (S_kv * T >= 2**31).
+        UnsupportedDtype (a TypeError and NotImplementedError): float64.
+        UnsupportedShape (a ValueError and NotImplementedError): D > 256.
+        NotImplementedError: inputs off the GPU, other block sizes' classes, or sort keys
+            that need int64 without x64 (S_kv * T >= 2**31).
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")

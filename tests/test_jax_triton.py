@@ -404,8 +404,14 @@ def test_missing_jax_triton_raises_import_error_on_first_use(monkeypatch):
 def test_declines_what_it_cannot_run():
     x = jnp.ones((1, 4, 2, 16), jnp.float32)
     routes = np.zeros((1, 4, 2), np.int32)
-    with pytest.raises(NotImplementedError, match="head dim"):
+    with pytest.raises(ValueError, match="head dim") as err:  # the contract's class, and a decline
         attention(*(jnp.ones((1, 4, 2, 264), jnp.float32),) * 3, routes)
+    assert isinstance(err.value, NotImplementedError)
+    with jax.enable_x64(True):
+        wide = jnp.ones((1, 4, 2, 16), jnp.float64)
+        with pytest.raises(TypeError, match="float64") as err:
+            attention(wide, wide, wide, routes)
+        assert isinstance(err.value, NotImplementedError)
     with pytest.raises(NotImplementedError, match="qsa_triton.BlockSizes"):
         attention(x, x, x, routes, block_sizes=(64, 32))
     with pytest.raises(TypeError, match="selected_token_ids"):

@@ -119,14 +119,24 @@ def test_poisoned_outputs_are_overwritten(monkeypatch):
 
 
 def test_float64_and_large_head_dim_are_refused():
+    """Declined with the contract's classes (TypeError for the dtype, ValueError for the
+    head dim) that are NotImplementedErrors too, which the dispatcher reads as declines."""
+    import jax
     import jax.numpy as jnp
 
     from qsa_jax.pallas_qsa import pallas_sparse_gqa_attention
+    from qsa_jax.routes import UnsupportedDtype, UnsupportedShape
 
     routes = np.zeros((1, 4, 2), np.int32)
-    with pytest.raises(NotImplementedError, match="head dim"):
-        x = jnp.zeros((1, 4, 1, 512), jnp.float32)
+    x = jnp.ones((1, 4, 1, 512), jnp.float32)
+    with pytest.raises(ValueError, match="head dim") as err:
         pallas_sparse_gqa_attention(x, x, x, routes, interpret=True)
+    assert isinstance(err.value, (NotImplementedError, UnsupportedShape))
+    with jax.enable_x64(True):
+        x = jnp.ones((1, 4, 1, 16), jnp.float64)
+        with pytest.raises(TypeError, match="float64") as err:
+            pallas_sparse_gqa_attention(x, x, x, routes, interpret=True)
+        assert isinstance(err.value, NotImplementedError) and isinstance(err.value, UnsupportedDtype)
 
 
 def test_implementation_list_falls_back_with_reasons():
