@@ -17,7 +17,6 @@ mode: on CPU use ``implementation="pallas"`` with ``interpret=True``). No ``jax.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 
 from qsa_triton import launch as spec
 from qsa_triton.config import BlockSizes, default_block_sizes
-from qsa_triton.plan import Plan, backward_cut, make_plan, union_recipe
+from qsa_triton.plan import Plan, backward_cut, default_plan, make_plan, union_recipe
 
 from . import _triton_call
 from ._triton_call import cut_unions, operand, sorted_unions
@@ -131,18 +130,15 @@ def plan_for(query, key, block_sizes: BlockSizes | None = None) -> Plan:
     group, head_dim = query.shape[2] // key.shape[2], query.shape[3]
     dtype = jnp.dtype(query.dtype).name
     if block_sizes is None:
-        blocks = default_block_sizes(gpu_capability(query), head_dim, dtype)
-    elif isinstance(block_sizes, BlockSizes):
-        blocks = block_sizes
-    else:
+        return default_plan(group, head_dim, default_block_sizes(gpu_capability(query), head_dim, dtype),
+                            query.shape[1])
+    if not isinstance(block_sizes, BlockSizes):
         raise NotImplementedError(f"block_sizes for the triton implementation must be a qsa_triton.BlockSizes, "
                                   f"got {type(block_sizes).__name__}")
-    plan = make_plan(group, head_dim, blocks)
-    pairs = query.shape[1] * group
-    if plan.flat and pairs + plan.fwd_heads > 2**31 - 1:  # the flat tiling indexes pairs in int32
-        if block_sizes is not None:
-            raise NotImplementedError(f"flatten_heads indexes (row, head) pairs in int32: S_q * G = {pairs}")
-        plan = make_plan(group, head_dim, dataclasses.replace(blocks, flatten_heads=False))
+    plan = make_plan(group, head_dim, block_sizes)
+    if plan.flat and plan.n_tiles(query.shape[1]) * plan.fwd_heads > 2**31 - 1:  # the launch's int32 pairs
+        raise NotImplementedError(f"flatten_heads indexes (row, head) pairs in int32: S_q * G = "
+                                  f"{query.shape[1] * group}")
     return plan
 
 

@@ -35,7 +35,7 @@ import torch
 
 from qsa_triton.config import DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, BlockSizes
 from qsa_triton.config import default_block_sizes as _table
-from qsa_triton.plan import Plan, make_plan
+from qsa_triton.plan import Plan, default_plan, make_plan
 
 from . import _triton_launch
 from ._triton_autograd import TritonQSA
@@ -76,7 +76,7 @@ def default_block_sizes(device: torch.device, head_dim: int, dtype: torch.dtype)
 def _default_plan(query: torch.Tensor, key: torch.Tensor) -> Plan:
     head_dim = query.shape[3]
     blocks = default_block_sizes(query.device, head_dim, query.dtype)
-    return make_plan(query.shape[2] // key.shape[2], head_dim, blocks)
+    return default_plan(query.shape[2] // key.shape[2], head_dim, blocks, query.shape[1])
 
 
 def _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes=None):

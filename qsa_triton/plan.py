@@ -10,11 +10,12 @@ the tile's row t routes to ``union[u]``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .config import MAX_ROWS_PER_TILE, BlockSizes
 
-__all__ = ["MAX_GRID_Y", "MAX_GRID_X", "INT32_MAX", "Plan", "make_plan", "next_pow2", "flat_span", "flat_pairs",
+__all__ = ["MAX_GRID_Y", "MAX_GRID_X", "INT32_MAX", "Plan", "make_plan", "default_plan", "next_pow2", "flat_span", "flat_pairs",
            "flat_union_rows", "program_rows", "KeyPlan", "SortStep", "CutStep", "union_recipe", "tile_cut",
            "backward_cut", "fold_grid", "offsets_fit_int32"]
 
@@ -99,6 +100,17 @@ def _check_backward_chunk(matrix_rows: int, head_dim: int, head_dim_pad: int, bl
     if block_k < least:
         raise ValueError(f"backward programs of {matrix_rows} (row, head) pairs at head dim {head_dim} need "
                          f"backward_block_k >= {least}, got {block_k}")
+
+
+def default_plan(group: int, head_dim: int, blocks: BlockSizes, query_length: int, **limits) -> Plan:
+    """:func:`make_plan` for a configuration the caller did not choose: where flat programs
+    would index (row, head) pairs past int32 (S_q * G near 2**31, which the launch refuses),
+    the same blocks as padded tiles instead. Both frameworks' defaults go through here, so
+    they plan alike at every length."""
+    plan = make_plan(group, head_dim, blocks, **limits)
+    if plan.flat and plan.n_tiles(query_length) * plan.fwd_heads > INT32_MAX:
+        plan = make_plan(group, head_dim, dataclasses.replace(blocks, flatten_heads=False), **limits)
+    return plan
 
 
 def min_backward_block_k(matrix_rows: int, head_dim_pad: int) -> int:

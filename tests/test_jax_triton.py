@@ -293,6 +293,32 @@ def test_unions_equal_torch_and_the_oracle(group, pairs):
                                                        torch_unions.rowbits)), want, "torch")
 
 
+def test_both_defaults_fall_back_to_padded_tiles_past_int32_pairs(monkeypatch):
+    """Where flat programs would index (row, head) pairs past int32 (S_q * G near 2**31),
+    both frameworks' default plans take the same blocks as padded tiles (the launch would
+    refuse the flat ones); below that both stay flat; chosen flat blocks are refused there.
+    Shapes only: meta tensors and ShapeDtypeStructs hold no memory."""
+    from qsa_torch import triton_qsa as tt
+    from qsa_triton.plan import default_plan
+
+    blocks = tt.DEFAULT_BLOCK_SIZES
+    monkeypatch.setattr(tt, "default_block_sizes", lambda device, head_dim, dtype: blocks)
+    monkeypatch.setattr(jt, "default_block_sizes", lambda capability, head_dim, dtype: blocks)
+    last = (2**31 - 1) // 128 * 128 // 12  # 12 * last pairs: whole 128-pair programs, the last below 2**31
+    assert 12 * last == (2**31 - 1) // 128 * 128
+    for s_q, flat in ((last, True), (last + 1, False), (2**28, False)):
+        torch_plan = tt._default_plan(torch.empty((1, s_q, 12, 256), device="meta"),
+                                      torch.empty((1, 8, 1, 256), device="meta"))
+        jax_plan = jt.plan_for(jax.ShapeDtypeStruct((1, s_q, 12, 256), jnp.bfloat16),
+                               jax.ShapeDtypeStruct((1, 8, 1, 256), jnp.bfloat16))
+        assert torch_plan == jax_plan == default_plan(12, 256, blocks, s_q) and torch_plan.flat == flat, s_q
+        if not flat:
+            assert torch_plan == make_plan(12, 256, dataclasses.replace(blocks, flatten_heads=False))
+            with pytest.raises(NotImplementedError, match="int32"):
+                jt.plan_for(jax.ShapeDtypeStruct((1, s_q, 12, 256), jnp.bfloat16),
+                            jax.ShapeDtypeStruct((1, 8, 1, 256), jnp.bfloat16), blocks)
+
+
 def test_launches_and_plans_match_torch():
     """Both launchers' descriptions for one problem: the same kernels, grids, warps,
     stages, fp32 scalars and integer/constexpr arguments (strides included, for
