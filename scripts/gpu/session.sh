@@ -75,9 +75,9 @@ correctness)
   wait
   ;;
 fa4)
-  # upstream's cute (FA4) layer beside ours and flex, both S in one run; FA4's first step
-  # JIT-compiles for minutes (needs .gpu/a then .gpu/b installed: carry .gpu/b .gpu/install.sh .whl).
-  # Its route preprocessing runs eager: compiled, ptxas was still on its Inductor kernels after 4 min
+  # upstream's cute (FA4) layer beside ours and flex, both S in one run (needs .gpu/a then .gpu/b
+  # installed: carry .gpu/b .gpu/install.sh .whl; FA4's JIT takes ~10 s of the first step). Its
+  # route preprocessing runs eager: compiled, ptxas was still on its Inductor kernels after 4 min
   alone nemo 520 python3 scripts/gpu/bench_nemo_layer.py --out "$R/nemo" --seq-lens 8192 32768 --time-budget 400 \
     --cute-preprocess eager --stack-dump-s 120
   ;;
