@@ -136,7 +136,7 @@ def plan_for(query, key, block_sizes: BlockSizes | None = None) -> Plan:
         raise NotImplementedError(f"block_sizes for the triton implementation must be a qsa_triton.BlockSizes, "
                                   f"got {type(block_sizes).__name__}")
     plan = make_plan(group, head_dim, block_sizes)
-    if plan.flat and plan.n_tiles(query.shape[1]) * plan.fwd_heads > 2**31 - 1:  # the launch's int32 pairs
+    if not plan.pairs_fit(query.shape[1]):
         raise NotImplementedError(f"flatten_heads indexes (row, head) pairs in int32: S_q * G = "
                                   f"{query.shape[1] * group}")
     return plan

@@ -126,9 +126,9 @@ def _kernel_shape(plan: Plan, q: Operand, k: Operand, union_shape, backward: boo
     """Grid, integer arguments and constexprs shared by the forward and backward kernels."""
     (bsz, s_q, _, d), (_, _, hkv, _) = q[0], k[0]
     _, n_tiles, width = union_shape
-    if plan.flat and n_tiles * plan.fwd_heads > 2**31 - 1:
+    if not plan.pairs_fit(s_q):
         raise ValueError("the flat tiling indexes (row, head) pairs in int32: "
-                         f"S_q * G = {n_tiles * plan.fwd_heads} is too many; use flatten_heads=False")
+                         f"S_q * G = {s_q * plan.group} is too many; use flatten_heads=False")
     attempt = attempt or attempts(plan, backward)[0]
     chunks = 1 if plan.flat else -(-plan.group // attempt.heads)
     grid, fold = fold_grid(n_tiles, bsz * hkv * chunks, plan.max_grid_y)

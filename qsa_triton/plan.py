@@ -66,6 +66,12 @@ class Plan:
             return -(-s_q * self.group // self.fwd_heads)
         return -(-s_q // self.rows_per_tile)
 
+    def pairs_fit(self, s_q: int) -> bool:
+        """Whether the kernels can number this plan's (row, head) pairs at ``s_q`` query rows:
+        flat programs index them in int32, up to the last program's end; padded tiles
+        always can."""
+        return not self.flat or self.n_tiles(s_q) * self.fwd_heads <= INT32_MAX
+
 
 def make_plan(group: int, head_dim: int, blocks: BlockSizes, *, max_grid_y: int = MAX_GRID_Y,
               offset_limit: int = INT32_MAX) -> Plan:
@@ -108,7 +114,7 @@ def default_plan(group: int, head_dim: int, blocks: BlockSizes, query_length: in
     the same blocks as padded tiles instead. Both frameworks' defaults go through here, so
     they plan alike at every length."""
     plan = make_plan(group, head_dim, blocks, **limits)
-    if plan.flat and plan.n_tiles(query_length) * plan.fwd_heads > INT32_MAX:
+    if not plan.pairs_fit(query_length):
         plan = make_plan(group, head_dim, dataclasses.replace(blocks, flatten_heads=False), **limits)
     return plan
 
