@@ -366,13 +366,13 @@ def _union_traffic(q, k, count) -> dict:
     gathers the same rows and adds a [2, D] fp32 dK/dV block per ID (``bwd_add_bytes``;
     absent for padded plans, whose backward tiles are cut finer)."""
     from qsa_torch import triton_qsa
-    from qsa_triton import make_plan
+    from qsa_triton.plan import default_plan
 
     hkv, head_dim = k.shape[2], q.shape[3]
     ids = int(count.sum()) * hkv
     result = {"union_ids": ids, "gather_bytes": ids * 2 * head_dim * q.element_size()}
     blocks = triton_qsa.default_block_sizes(q.device, head_dim, q.dtype)
-    if make_plan(q.shape[2] // hkv, head_dim, blocks).flat:
+    if default_plan(q.shape[2] // hkv, head_dim, blocks, q.shape[1]).flat:  # the plan the op ran
         result["bwd_add_bytes"] = ids * 2 * head_dim * 4
     return result
 
