@@ -304,9 +304,8 @@ def run_port(layer, x, freqs, mask, cu, cotangent, routes=None, mesh=None):
     import jax
     import jax.numpy as jnp
 
-    mask = None if mask is None else jnp.asarray(mask, jnp.int32)
-    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
-    x, freqs, g = jnp.asarray(x), jnp.asarray(freqs), jnp.asarray(cotangent)
+    x, freqs, mask, cu = _port_arrays(x, freqs, mask, cu)
+    g = jnp.asarray(cotangent)
     own = _port_step(mesh, "routes")(layer, x, freqs, mask, cu)
     forced = routes is not None
     step = _port_step(mesh, "forced" if forced else "free")
@@ -327,9 +326,8 @@ def port_score_inputs(layer, x, freqs, mask, cu):
 
     from qsa_jax.qwen3_8_flash_next import make_layout
 
-    x, freqs = jnp.asarray(x), jnp.asarray(freqs)
-    layout = make_layout(x.shape[0], x.shape[1], attention_mask=None if mask is None else jnp.asarray(mask),
-                         cu_seqlens=None if cu is None else jnp.asarray(cu))
+    x, freqs, mask, cu = _port_arrays(x, freqs, mask, cu)
+    layout = make_layout(x.shape[0], x.shape[1], attention_mask=mask, cu_seqlens=cu)
     query, raw_key = layer.indexer.project(x, freqs)
     keys = layer.indexer.compress(raw_key, freqs, packed=layout.packed)
     step = 1 if layout.packed else layer.config.indexer_compress_ratio
@@ -629,15 +627,15 @@ def mark_near_ties(entries: list, query, keys, step: int, ratio: int, cu, ranked
             continue
         b, t = entry["row"]
         start = 0 if cu is None else int(cu[np.searchsorted(cu, t, side="right") - 1])
-        exact = {k: score_with_bound(query[b, t], keys[b, (start + ratio * int(k)) // step])
-                 for k in entry["swapped_scores"]}
+        column = {k: (start + ratio * int(k)) // step for k in entry["swapped_scores"]}
+        exact = {k: score_with_bound(query[b, t], keys[b, c]) for k, c in column.items()}
         entry["exact_scores"] = {k: e for k, (e, _) in exact.items()}
         entry["beta"] = {k: beta for k, (_, beta) in exact.items()}
         same_inputs = all(abs(entry["swapped_scores"][k] - e) <= beta for k, (e, beta) in exact.items())
         within = all(abs(exact[a][0] - exact[p][0]) <= exact[a][1] + exact[p][1]
                      for a in entry["upstream_only"] for p in entry["port_only"])
         if ranked is not None and (b, t) in ranked:
-            mine = {k: float(ranked[(b, t)][(start + ratio * int(k)) // step]) for k in exact}
+            mine = {k: float(ranked[(b, t)][c]) for k, c in column.items()}
             entry["port_ranked_scores"] = mine
             entry["port_inputs_same"] = all(abs(mine[k] - e) <= beta for k, (e, beta) in exact.items())
             if not entry["port_inputs_same"]:
