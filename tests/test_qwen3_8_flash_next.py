@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 import pytest
+from contract_base import round_to
 
 from qsa_common.oracle import relative_error
 
@@ -381,8 +382,8 @@ def test_tie_check_tells_ties_from_real_differences():
 
 
 def _bf16(a):
-    """float32 values exactly representable in bfloat16 (truncated mantissas)."""
-    return (np.asarray(a, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    """float32 holding bfloat16 values (what a 16-bit indexer hands its float32 scores)."""
+    return round_to(np.asarray(a, np.float64), "bfloat16").astype(np.float32)
 
 
 def test_score_bound_covers_float32_evaluations_in_any_order():

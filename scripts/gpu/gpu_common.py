@@ -17,12 +17,14 @@ Scripts in this folder import it as ``gpu_common`` (Python puts a script's own f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 if ROOT not in sys.path:
@@ -101,13 +103,18 @@ def wall_ms(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+@dataclasses.dataclass(frozen=True)
 class ProbeShape:
-    """What the torch Triton probes run on: ``heads``, ``head_dim``, ``top_k``, ``device``,
-    ``timer`` (:func:`cuda_ms`, or :func:`wall_ms` in a dry run), ``seq_len``, ``overlaps``."""
+    """What the torch Triton probes run on; ``timer``: :func:`cuda_ms`, or :func:`wall_ms`
+    in a dry run."""
 
-    def __init__(self, heads, head_dim, top_k, device, timer, seq_len, overlaps):
-        self.heads, self.head_dim, self.top_k, self.device = heads, head_dim, top_k, device
-        self.timer, self.seq_len, self.overlaps = timer, seq_len, list(overlaps)
+    heads: tuple[int, int]
+    head_dim: int
+    top_k: int
+    device: str
+    timer: Callable
+    seq_len: int
+    overlaps: list[float]
 
     def inputs(self):
         """Seeded bf16 ``q, k, v, do`` (B=1)."""
@@ -127,7 +134,7 @@ def probe_shape(dry_run: bool, seq_len: int, overlaps, dry_seq_len: int = 768) -
     one wall-clock call); a dry run sets ``TRITON_INTERPRET`` (call it before importing
     the kernels)."""
     if not dry_run:
-        return ProbeShape((24, 2), 256, 512, "cuda", cuda_ms, seq_len, overlaps)
+        return ProbeShape((24, 2), 256, 512, "cuda", cuda_ms, seq_len, list(overlaps))
     os.environ["TRITON_INTERPRET"] = "1"
     return ProbeShape((6, 1), 32, 4, "cpu", wall_ms, dry_seq_len, list(overlaps)[:1])
 
