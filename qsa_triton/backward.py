@@ -2,7 +2,8 @@
 
 Programs are laid out as the forward's (``forward.py``), over the backward's tiles. Each
 union chunk adds its [BLOCK_K, D] dK and dV blocks to accumulators as soon as they are
-computed (IDs within a chunk are distinct, so a chunk never adds to one address twice).
+computed (a union's IDs are distinct; the last chunk's columns past the union's count
+repeat IDs from its start and add zeros there, see ``language.gather_chunk``).
 
 By default the blocks are fp32 and so are the accumulators; the order in which programs
 add is the GPU's, so dK/dV are not bitwise reproducible from run to run. With the
@@ -50,8 +51,9 @@ def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
     dp = mm(do, tl.trans(v), IEEE)
     ds = p * (dp - delta[:, None])
     dq += mm(cast(ds, k.dtype, INTERPRET), k, IEEE)
-    # rows past count carry zeros and are masked: they add nothing. Each [BLOCK_K, D]
-    # block is added as soon as it is computed, so only one of them holds registers.
+    # columns past count repeat union IDs with P = dS = 0: they add zeros (gather_chunk),
+    # so the adds carry only the head-dim mask. Each [BLOCK_K, D] block is
+    # added as soon as it is computed, so only one of them holds registers.
     # dV^T = dO^T P and dK^T = Q^T dS: both wgmma operands can come from shared memory
     # (no [BLOCK_K, D] 16-bit operand held in registers); the adds stay 4-wide along D.
     acc_off_t = rows[None, :] * sdk_s + d[:, None]

@@ -134,27 +134,35 @@ def program_tile(COUNT, B, S_q, N_TILES, HKV, G, D, N_CHUNKS, HB: tl.constexpr, 
 @triton.jit
 def gather_chunk(start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s, sv_d, d, d_ok, t, row_ok,
                  BLOCK_K: tl.constexpr, EVEN_D: tl.constexpr, OFFS32: tl.constexpr):
-    """Union chunk [start, start + BLOCK_K): IDs (clamped to 0 past ``count``), K/V
-    rows, the [BLOCK_K, D_PAD] mask of real entries, and membership.
+    """Union chunk [start, start + BLOCK_K): IDs, K/V rows, the [BLOCK_K, D_PAD] mask of
+    the head-dim lanes, and membership.
+
+    Entry u >= ``count`` (only in a union's last chunk, ``start < count``) takes the ID at
+    ``u - count`` (at 0 where that is past the union too), with no membership bits: a row the program's own rows route to, so no
+    unrouted K/V row (which may hold anything, even inf) is ever read, and a routed row's
+    values already meet every non-member row with P = 0 in its real slot, so the repeats
+    change nothing, not even where NaN goes; their P and dS are 0 and the backward adds
+    zeros for them, at IDs distinct from the chunk's own while ``count >= BLOCK_K`` (no
+    atomics of one chunk contend for one row). So no per-row mask is needed: with
+    ``EVEN_D`` (D == D_PAD) the loads and the backward's adds are unmasked (constant-true
+    masks), which removes a predicate per 16-byte copy and a branch per atomic from the
+    compiled loop.
 
     ``OFFS32``: every element offset from the K/V/dK/dV base pointers fits int32 (the
-    host checks), so the per-element address arithmetic stays 32-bit. ``EVEN_D``:
-    D == D_PAD, so the masks are per row only."""
+    host checks), so the per-element address arithmetic stays 32-bit."""
     u = start + tl.arange(0, BLOCK_K)
     u_ok = u < count
-    ids = tl.load(union + u, mask=u_ok, other=0)
+    src = tl.where(u_ok, u, u - count)
+    rows = tl.load(union + tl.where(src < count, src, 0))
     bits = tl.load(rowbits + u, mask=u_ok, other=0)
-    rows = tl.where(ids >= 0, ids, 0)
     if not OFFS32:
         rows = rows.to(tl.int64)
     k_off = rows[:, None] * sk_s + d[None, :] * sk_d
     v_off = rows[:, None] * sv_s + d[None, :] * sv_d
-    # entries past count load zeros, not row 0: K/V rows that no query routes to may
-    # hold anything (even inf), and 0 * inf would leak into the dots
     if EVEN_D:
-        kv_mask = tl.broadcast_to(u_ok[:, None], (BLOCK_K, d.shape[0]))
+        kv_mask = tl.full((BLOCK_K, d.shape[0]), 1, tl.int1)
     else:
-        kv_mask = u_ok[:, None] & d_ok[None, :]
+        kv_mask = tl.broadcast_to(d_ok[None, :], (BLOCK_K, d.shape[0]))
     k = tl.load(k_base + k_off, mask=kv_mask, other=0.0)
     v = tl.load(v_base + v_off, mask=kv_mask, other=0.0)
     member = (((bits[None, :] >> t[:, None]) & 1) != 0) & row_ok[:, None]

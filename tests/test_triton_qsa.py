@@ -739,3 +739,33 @@ def test_launches_name_every_kernel_argument():
     assert (launches[0].num_warps, launches[0].num_stages) == (8, 3)
     # the fp32 scalars are rounded once, on the host, identically for every launcher
     assert launches[0].scalars == (("scale_log2", float(np.float32(0.0625 * spec.LOG2E))),)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_last_chunk_columns_past_the_union_add_nothing(deterministic):
+    """A union's last chunk fills its columns past the count with IDs of the same union (no
+    membership bits), so the loads and the adds run unmasked: with unions longer than a chunk
+    and not a multiple of it (the columns wrap to the union's start) and shorter than one
+    (they fall back to its first ID), and an unrouted K/V row holding inf/NaN, every output
+    and gradient is the float64 oracle's, in both backward modes."""
+    rng = _fresh_rng()
+    blocks = BlockSizes(block_m=16, block_k=16, backward_block_m=16, backward_block_k=16)
+    seq_len, kv_length, width = 20, 80, 21
+    routes = np.full((1, seq_len, width), -1, np.int32)
+    for row in range(seq_len):
+        wide = row < 16  # the first 16-row tile: long unions; the second (rows 16-19): short ones
+        routes[0, row, :width if wide else 3] = rng.choice(np.arange(1, kv_length), width if wide else 3,
+                                                           replace=False)
+    counts = [len(np.unique(routes[0, rows][routes[0, rows] >= 0])) for rows in (slice(0, 16), slice(16, 20))]
+    assert counts[0] > 16 and counts[0] % 16 != 0 and counts[1] < 16, counts
+    q, k, v, do = random_inputs(rng, routes, kv_length, (2, 2), 16, "float32")
+    k[:, 0], v[:, 0] = np.inf, np.nan  # nobody routes to K/V row 0
+    fn = lambda *a: triton_sparse_gqa_attention(*a, block_sizes=blocks, deterministic=deterministic)  # noqa: E731
+    got = run_torch(fn, q, k, v, routes, 0.25, do, "float32", device=DEVICE)
+    k[:, 0], v[:, 0] = 0.0, 0.0
+    want = oracle_forward_backward(q, k, v, routes, 0.25, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        if name in ("dk", "dv"):  # row 0's own gradient: nobody routes to it, so it must be 0
+            assert np.all(g[:, 0] == 0), f"{name} of the unrouted row is not 0"
+        err = relative_error(g, w)
+        assert err < TOLERANCE["float32"], f"{name}: relative error {err:.3e}"
