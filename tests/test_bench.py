@@ -346,3 +346,18 @@ def test_probe_atomics_dry_run(tmp_path):
     assert entries["adds_off_check"]["result"] == {"dk_dv_zero": True, "dq_equal": True}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     assert not any(name.startswith("_probe_") for name in os.listdir(os.path.join(root, "qsa_triton")))
+
+
+def test_profile_kernels_dry_run():
+    """scripts/gpu/profile_kernels.py (what ``session.sh profile`` runs under Nsight Compute)
+    end to end on CPU in Triton's interpreter: the step it profiles gives the float64
+    reference's output and gradients."""
+    pytest.importorskip("triton")
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "gpu", "profile_kernels.py")
+    done = subprocess.run([sys.executable, script, "--dry-run"], capture_output=True, text=True, cwd=root,
+                          timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "relative errors against the float64 reference" in done.stdout

@@ -13,6 +13,7 @@
 #   which tilings read out of bounds (warm):      bash scripts/gpu/session.sh chunks
 #   the backward's dK/dV atomics' cost (warm):    bash scripts/gpu/session.sh atomics
 #   a kernel change, in one call (carry .whl):    bash scripts/gpu/session.sh spot
+#   Nsight Compute of both kernels (warm):        bash scripts/gpu/session.sh profile
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -21,7 +22,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -119,6 +120,14 @@ spot)
   beside layer 230 python3 scripts/gpu/layer_parity.py --out "$R/layer" --seq-lens 32768 --layouts padded \
     --time-budget 220
   wait
+  ;;
+profile)
+  # one step's forward and backward kernels under Nsight Compute (full set, SASS-level stall
+  # samples); the report's text pages come back, the .ncu-rep too
+  alone ncu 240 ncu --profile-from-start off --set full --import-source yes \
+    --kernel-name regex:"qsa_(forward|backward)_kernel" -o "$R/prof" python3 scripts/gpu/profile_kernels.py
+  ncu --import "$R/prof.ncu-rep" --page details > "$R/details.txt" 2>&1
+  ncu --import "$R/prof.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$R/source.csv.gz"
   ;;
 recheck)
   # after fixes to what the three calls above found: the pieces that changed, in one call
