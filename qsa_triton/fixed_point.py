@@ -51,10 +51,10 @@ fp32 once (rounded to nearest), scaled by 2**-e (exact) and cast to the output d
 
 **Non-finite values.** If Q or dO holds a non-finite value, or any program's dQ comes out
 non-finite (its P or dS met a NaN/inf: a routed K/V row, an overflowing score), dK and dV are
-NaN everywhere (the kernel raises ``FLAG``; the kernels read only K/V rows
-that the program's own rows route to, so unrouted rows never reach it). The default backward gives NaN for the keys of the
-affected tiles only; this one does not try to tell which keys, and never turns a NaN into
-a finite number.
+NaN everywhere (the kernel raises ``FLAG``; the kernels read only K/V rows that the
+program's own rows route to, so unrouted rows never reach it). The default backward gives
+NaN for the keys of the affected tiles only; this one does not try to tell which keys, and
+never turns a NaN into a finite number.
 
 Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
 scalars, outputs, then integers and constexprs (by keyword).

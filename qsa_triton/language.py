@@ -137,16 +137,21 @@ def gather_chunk(start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s,
     """Union chunk [start, start + BLOCK_K): IDs, K/V rows, the [BLOCK_K, D_PAD] mask of
     the head-dim lanes, and membership.
 
-    Entry u >= ``count`` (only in a union's last chunk, ``start < count``) takes the ID at
-    ``u - count`` (at 0 where that is past the union too), with no membership bits: a row the program's own rows route to, so no
-    unrouted K/V row (which may hold anything, even inf) is ever read, and a routed row's
-    values already meet every non-member row with P = 0 in its real slot, so the repeats
-    change nothing, not even where NaN goes; their P and dS are 0 and the backward adds
-    zeros for them, at IDs distinct from the chunk's own while ``count >= BLOCK_K`` (no
-    atomics of one chunk contend for one row). So no per-row mask is needed: with
-    ``EVEN_D`` (D == D_PAD) the loads and the backward's adds are unmasked (constant-true
-    masks), which removes a predicate per 16-byte copy and a branch per atomic from the
-    compiled loop.
+    Entry u >= ``count`` (only in a union's last chunk, ``start < count``) takes the ID
+    at ``u - count``, or at 0 where that is past the union too, with no membership bits.
+
+    * Only rows the program's own rows route to are read: an unrouted K/V row (which may
+      hold anything, even inf) never is.
+    * The repeats' P and dS are 0, so the backward adds zeros for them. While ``count >=
+      BLOCK_K`` they fall on IDs before ``start``, distinct from the chunk's own; in a
+      shorter union they may repeat an ID of the chunk (atomics allow it).
+    * A non-finite value in a routed V row meets P = 0 in a repeat (0 * inf = NaN), as it
+      already did for the tile's non-member rows in the row's own slot: a member row's
+      +-inf output lane may then come out NaN. Non-finite stays non-finite.
+
+    So no per-column mask is needed: with ``EVEN_D`` (D == D_PAD) the loads and the
+    backward's adds are unmasked (constant-true masks), which removes a predicate per
+    16-byte copy and a branch per atomic from the compiled loop.
 
     ``OFFS32``: every element offset from the K/V/dK/dV base pointers fits int32 (the
     host checks), so the per-element address arithmetic stays 32-bit."""

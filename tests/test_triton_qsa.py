@@ -744,20 +744,24 @@ def test_launches_name_every_kernel_argument():
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_last_chunk_columns_past_the_union_add_nothing(deterministic):
     """A union's last chunk fills its columns past the count with IDs of the same union (no
-    membership bits), so the loads and the adds run unmasked: with unions longer than a chunk
-    and not a multiple of it (the columns wrap to the union's start) and shorter than one
-    (they fall back to its first ID), and an unrouted K/V row holding inf/NaN, every output
-    and gradient is the float64 oracle's, in both backward modes."""
+    membership bits), so the loads and the adds run unmasked. Two tiles of 16-ID chunks: one
+    whose union is one ID longer than a chunk (15 columns wrap to the union's start) and one
+    of at most 4 IDs (most columns fall back to its first ID), next to an unrouted K/V row
+    holding inf/NaN: every output and gradient is the float64 oracle's, in both backward
+    modes."""
     rng = _fresh_rng()
     blocks = BlockSizes(block_m=16, block_k=16, backward_block_m=16, backward_block_k=16)
-    seq_len, kv_length, width = 20, 80, 21
+    seq_len, kv_length, width = 20, 80, 17
+    long_pool = rng.choice(np.arange(1, kv_length), 17, replace=False)
+    short_pool = rng.choice(np.arange(1, kv_length), 4, replace=False)
     routes = np.full((1, seq_len, width), -1, np.int32)
     for row in range(seq_len):
-        wide = row < 16  # the first 16-row tile: long unions; the second (rows 16-19): short ones
-        routes[0, row, :width if wide else 3] = rng.choice(np.arange(1, kv_length), width if wide else 3,
-                                                           replace=False)
+        if row < 16:  # the first 16-row tile: every row routes to all 17 IDs, in its own order
+            routes[0, row] = rng.permutation(long_pool)
+        else:  # the second tile (rows 16-19): 3 of the 4 IDs each
+            routes[0, row, :3] = rng.choice(short_pool, 3, replace=False)
     counts = [len(np.unique(routes[0, rows][routes[0, rows] >= 0])) for rows in (slice(0, 16), slice(16, 20))]
-    assert counts[0] > 16 and counts[0] % 16 != 0 and counts[1] < 16, counts
+    assert counts[0] == 17 and counts[1] <= 4, counts
     q, k, v, do = random_inputs(rng, routes, kv_length, (2, 2), 16, "float32")
     k[:, 0], v[:, 0] = np.inf, np.nan  # nobody routes to K/V row 0
     fn = lambda *a: triton_sparse_gqa_attention(*a, block_sizes=blocks, deterministic=deterministic)  # noqa: E731
