@@ -35,9 +35,8 @@ def configs(names):
     table = {
         "default": DEFAULT_BLOCK_SIZES,
         "flat64": dataclasses.replace(DEFAULT_BLOCK_SIZES, block_m=64),
-        # forward occupancy (Nsight Compute: both kernels latency-bound at one CTA of 8 warps
-        # per SM): 32-ID chunks in 4 stages (131 KB of shared memory, ~no spills; still one
-        # CTA), and 64-pair programs of 4 warps (~98 / 66 KB: two CTAs per SM)
+        # forward occupancy: 32-ID chunks in 4 stages (one CTA per SM); 64-pair programs of
+        # 4 warps, whose forward CTAs fit two per SM (docs/benchmarks.md, fourth session)
         "k32s4": dataclasses.replace(DEFAULT_BLOCK_SIZES, block_k=32, num_stages=4),
         "flat64w4k32": dataclasses.replace(DEFAULT_BLOCK_SIZES, block_m=64, num_warps=4, block_k=32),
         "flat64w4k16": dataclasses.replace(DEFAULT_BLOCK_SIZES, block_m=64, num_warps=4, block_k=16, num_stages=4),

@@ -75,7 +75,7 @@ def _check_against_reference(step, q, k, v, do, routes, scale) -> int:
     errors = {name: relative_error(a, b) for name, a, b in
               zip(("out", "dq", "dk", "dv"), (out, *grads), (expected, *(x.grad for x in leaves)))}
     print("dry run: relative errors against the float64 reference", errors)
-    return 0 if max(errors.values()) < 2e-2 else 1
+    return 0 if max(errors.values()) < 1e-2 else 1  # the contract's bf16 bound
 
 
 if __name__ == "__main__":

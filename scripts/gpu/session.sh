@@ -126,8 +126,8 @@ profile)
   # samples); the report's text pages come back, the .ncu-rep too
   alone ncu 240 ncu --profile-from-start off --set full --import-source yes \
     --kernel-name regex:"qsa_(forward|backward)_kernel" -o "$R/prof" python3 scripts/gpu/profile_kernels.py
-  ncu --import "$R/prof.ncu-rep" --page details > "$R/details.txt" 2>&1
-  ncu --import "$R/prof.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$R/source.csv.gz"
+  alone details 60 ncu --import "$R/prof.ncu-rep" --page details
+  alone source 120 bash -c "ncu --import '$R/prof.ncu-rep' --page source --csv --print-source sass | gzip > '$R/source.csv.gz'"
   ;;
 recheck)
   # after fixes to what the three calls above found: the pieces that changed, in one call
