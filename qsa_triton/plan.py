@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from .config import MAX_ROWS_PER_TILE, BlockSizes
 
-__all__ = ["MAX_GRID_Y", "MAX_GRID_X", "INT32_MAX", "Plan", "make_plan", "default_plan", "next_pow2", "flat_span", "flat_pairs",
-           "flat_union_rows", "program_rows", "KeyPlan", "SortStep", "CutStep", "union_recipe", "tile_cut",
+__all__ = ["MAX_GRID_Y", "MAX_GRID_X", "INT32_MAX", "Plan", "make_plan", "default_plan", "next_pow2", "flat_span",
+           "flat_pairs", "flat_union_rows", "program_rows", "KeyPlan", "SortStep", "CutStep", "union_recipe", "tile_cut",
            "backward_cut", "fold_grid", "offsets_fit_int32"]
 
 MAX_GRID_Y = 65535  # CUDA's limit on grid dimensions y and z

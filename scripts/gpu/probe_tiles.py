@@ -28,7 +28,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_common import Record, log, probe_shape, relative_error  # noqa: E402
 
 
-
 def configs(names):
     from qsa_triton.config import DEFAULT_BLOCK_SIZES
 
