@@ -71,6 +71,29 @@ def sorted_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
     return TileUnions(merged["UNION"], merged["COUNT"], merged["ROWBITS"], step.rows)
 
 
+def bitmap_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
+                  max_grid_y: int = MAX_GRID_Y) -> TileUnions:
+    """:func:`sorted_unions` without the sort (``qsa_triton.union_bitmap``): the same
+    unions element for element, from a bitmap of row bits per group, built window by
+    window in a scratch no larger than the sort's keys."""
+    bsz, _, k = routes.shape
+    device = routes.device
+    shape = (bsz, step.n_groups, step.width)
+    union = torch.empty(shape, dtype=torch.int32, device=device)
+    rowbits = torch.empty(shape, dtype=torch.int32, device=device)
+    count = torch.empty(shape[:2], dtype=torch.int32, device=device)
+    window = spec.bitmap_window(step, bsz, k, kv_length)
+    bits = torch.zeros((window, kv_length), dtype=torch.int32, device=device)
+    operand = (tuple(routes.shape), routes.stride())
+    arrays = {"ROUTES": routes, "BITS": bits, "UNION": union, "ROWBITS": rowbits, "COUNT": count}
+    interpreted = launcher.interpreted()
+    for first in range(0, bsz * step.n_groups, window):
+        n_window = min(window, bsz * step.n_groups - first)
+        launcher.run(spec.mark_launch(step, operand, kv_length, first, n_window, max_grid_y), arrays, device)
+        launcher.run(spec.compact_launch(step, kv_length, first, n_window, interpreted=interpreted), arrays, device)
+    return TileUnions(union, count, rowbits, step.rows)
+
+
 def cut_unions(unions: TileUnions, step: CutStep, max_grid_y: int = MAX_GRID_Y) -> TileUnions:
     """``step``'s sub-unions of ``unions`` (no sort)."""
     launch = spec.cut_launch(step, tuple(unions.union.shape), max_grid_y, interpreted=launcher.interpreted())

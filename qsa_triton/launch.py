@@ -276,6 +276,38 @@ def merge_launch(step: SortStep, batch: int, k: int, *, interpreted: bool) -> La
         UNION_WARPS, UNION_STAGES)
 
 
+def bitmap_window(step: SortStep, batch: int, k: int, kv_length: int) -> int:
+    """Groups per bitmap window (``union_bitmap.py``): as many as keep the int32 scratch
+    ``[window, kv_length]`` within the bytes the sort recipe's int32 keys of all groups
+    would take (``4 * groups * rows * K``), at least one."""
+    groups = batch * step.n_groups
+    return max(1, min(groups, (groups * step.rows * k) // kv_length))
+
+
+def mark_launch(step: SortStep, routes: Operand, kv_length: int, first_group: int, n_window: int,
+                max_grid_y: int) -> Launch:
+    """Bitmap marks of groups ``[first_group, first_group + n_window)`` (group = batch row *
+    n_groups + group) into BITS int32 ``[n_window, kv_length]`` (zero on entry)."""
+    (bsz, s_q, k), strides = routes
+    n_chunks = -(-step.rows * k // UNION_BLOCK)
+    grid, fold = fold_grid(n_window, n_chunks, max_grid_y)
+    params = _strides("sr_", strides, ("b", "s", "k")) + [
+        ("s_q", s_q), ("k", k), ("kv_length", kv_length), ("n_tiles", step.n_groups), ("first_group", first_group),
+        ("n_window", n_window), ("n_chunks", n_chunks), ("group_size", step.group),
+        ("T", step.rows), ("BLOCK", UNION_BLOCK), ("PAIRS", step.pairs), ("FOLD", fold)]
+    return Launch("union_mark", grid, ("ROUTES", "BITS"), (), (), tuple(params), UNION_WARPS, UNION_STAGES)
+
+
+def compact_launch(step: SortStep, kv_length: int, first_group: int, n_window: int, *,
+                   interpreted: bool) -> Launch:
+    """Unions of the window's groups from BITS (left zero): rows of UNION / ROWBITS int32
+    ``[B, n_groups, width]`` and COUNT ``[B, n_groups]``, written in full."""
+    return Launch("union_compact", (n_window,), ("BITS", "UNION", "ROWBITS", "COUNT"), (), (),
+                  (("kv_length", kv_length), ("first_group", first_group), ("width", step.width),
+                   ("BLOCK", UNION_BLOCK), ("INTERPRET", interpreted)),
+                  UNION_WARPS, UNION_STAGES)
+
+
 def cut_launch(step: CutStep, parent_shape: tuple[int, int, int], max_grid_y: int, *,
                interpreted: bool) -> Launch:
     """Sub-unions of parents ``[B, n_tiles, width]``: SUB_UNION / SUB_ROWBITS int32
@@ -297,7 +329,9 @@ def cut_launch(step: CutStep, parent_shape: tuple[int, int, int], max_grid_y: in
 _MODULES = {"forward": ("forward", "qsa_forward_kernel"), "backward": ("backward", "qsa_backward_kernel"),
             "fixed_point": ("fixed_point", "fixed_point_kernel"),
             "union_keys": ("union_keys", "union_keys_kernel"), "union_merge": ("union_merge", "union_merge_kernel"),
-            "union_cut": ("union_cut", "union_cut_kernel")}
+            "union_cut": ("union_cut", "union_cut_kernel"),
+            "union_mark": ("union_bitmap", "union_mark_kernel"),
+            "union_compact": ("union_bitmap", "union_compact_kernel")}
 
 
 def kernel(name: str):

@@ -773,3 +773,32 @@ def test_last_chunk_columns_past_the_union_add_nothing(deterministic):
             assert np.all(g[:, 0] == 0), f"{name} of the unrouted row is not 0"
         err = relative_error(g, w)
         assert err < TOLERANCE["float32"], f"{name}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("rows, pairs, group", [(32, 0, 1), (4, 0, 1), (4, 32, 12)])
+def test_bitmap_unions_equal_sorted_unions(monkeypatch, window, rows, pairs, group):
+    """qsa_triton.union_bitmap: the unions of the keys / sort / merge recipe, element for
+    element (-1 / 0 padding included), from raw int64 routes with padding, out-of-range and
+    repeated IDs, two batch rows, tiles (row 31's bit used) or flat programs (PAIRS), in one
+    window or several (the compact kernel must leave the scratch zero for the next)."""
+    from qsa_triton import launch as launch_spec
+
+    if window is not None:
+        monkeypatch.setattr(launch_spec, "bitmap_window", lambda *a: window)
+    rng = _fresh_rng()
+    kv_length, width, s_q = 70, 9, 45
+    routes = np.concatenate([adversarial_routes(kv_length, width=width, rng=rng)[None, :s_q],
+                             random_routes(kv_length, width=width, rng=rng, causal=False)[None, :s_q]])
+    routes[0, 3, :4] = routes[0, 3, 4:8]  # repeated IDs within a row
+    routes[1, 7, 2] = 2**40  # past kv_length: padding, must not wrap
+    raw = torch.from_numpy(routes).to(DEVICE)
+    n_groups = -(-s_q // rows) if not pairs else -(-s_q * group // pairs)
+    step = SortStep(rows, n_groups, min(rows * width, kv_length), KeyPlan.make(2 * n_groups, rows, width, kv_length),
+                    pairs, group)
+    got = _numpy(_triton_unions.bitmap_unions(raw, kv_length, step))
+    assert_unions_equal(got, _numpy(_triton_unions.sorted_unions(raw, kv_length, step)))
+    want = tile_unions(routes, kv_length, rows) if not pairs else flat_unions(routes, kv_length, group, pairs, rows)
+    assert_unions_equal(got, want)
+    if rows == 32:
+        assert (want[2] < 0).any(), "row 31's bit (int32's sign) should be set somewhere"

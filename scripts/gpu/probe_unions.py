@@ -9,7 +9,9 @@ pieces in order: the keys kernel, ``torch.sort`` of the keys (what ``sorted_unio
 runs: key/value pairs, the values being int64 indices nobody reads), the merge kernel,
 the cut kernel. Then the same keys sorted by sorts that produce no indices: XLA's
 ``jnp.sort`` (what the JAX launcher runs) and, where cupy is installed, ``cupy.sort``;
-each sorted copy is checked equal to torch's. Writes ``probe_unions.json`` under ``--out``.
+each sorted copy is checked equal to torch's. Then the sort-free bitmap recipe
+(``bitmap_unions``): its time and peak memory beside the sorted recipe's, and its unions
+checked equal to theirs. Writes ``probe_unions.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -67,6 +69,26 @@ def main(argv=None) -> int:
         if cut is not None:
             parent = unions.sorted_unions(routes, seq, step, plan.max_grid_y)
             record.run(key, "cut_kernel_ms", lambda: cuda_ms(lambda: unions.cut_unions(parent, cut, plan.max_grid_y)))
+
+        def bitmap():
+            """The sort-free recipe (``qsa_triton.union_bitmap``): its time, its scratch
+            window, and its unions against the sorted ones, element for element."""
+            sorted_ = unions.sorted_unions(routes, seq, step, plan.max_grid_y)
+            got = unions.bitmap_unions(routes, seq, step, plan.max_grid_y)
+            equal = all(torch.equal(a, b) for a, b in zip((got.union, got.count, got.rowbits),
+                                                          (sorted_.union, sorted_.count, sorted_.rowbits)))
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            ms = cuda_ms(lambda: unions.bitmap_unions(routes, seq, step, plan.max_grid_y))
+            bitmap_peak = torch.cuda.max_memory_allocated() - base
+            torch.cuda.reset_peak_memory_stats()
+            cuda_ms(lambda: unions.sorted_unions(routes, seq, step, plan.max_grid_y), reps=2, warmup=0)
+            sorted_peak = torch.cuda.max_memory_allocated() - base
+            return {"bitmap_ms": ms, "equal_to_sorted": equal,
+                    "window": spec.bitmap_window(step, 1, routes.shape[2], seq),
+                    "peak_mib": {"bitmap": bitmap_peak / 2**20, "sorted": sorted_peak / 2**20}}
+
+        record.run(key, "bitmap_unions", bitmap)
 
         def jax_sort():
             import jax
