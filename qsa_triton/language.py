@@ -183,6 +183,33 @@ def program_rows(first_pair, PAIRS: tl.constexpr, group):
 
 
 @triton.jit
+def group_routes(ROUTES, group, i, live, sr_b, sr_s, sr_k, s_q, k, kv_length, n_tiles, group_size,
+                 T: tl.constexpr, PAIRS: tl.constexpr, FOLD: tl.constexpr):
+    """Routes ``i`` (a block of the T * K routes, row-major) of union group ``group``
+    (int64; batch row ``group // n_tiles``): rows ``[tile * T, (tile + 1) * T)``, or with
+    ``PAIRS`` the rows flat program ``tile`` of PAIRS pairs over ``group_size`` heads
+    touches. Returns each route's row within the group (t), its ID (-1 where the row is
+    out of range), whether the ID is a valid one in ``[0, kv_length)``, and ``i < T * K``."""
+    in_range = i < T * k
+    if FOLD > 1:
+        in_range = tl.where(live, in_range, False)
+    t = i // k
+    tile = group % n_tiles
+    if PAIRS == 0:
+        row = tile * T + t
+        row_ok = in_range & (row < s_q)
+    else:
+        first_row, last_row = program_rows(tile * PAIRS, PAIRS, group_size)
+        row = first_row + t
+        row_ok = in_range & (row < s_q) & (row <= last_row)
+    ptr = ROUTES + (group // n_tiles) * sr_b + row.to(tl.int64) * sr_s + (i % k).to(tl.int64) * sr_k
+    ids = tl.load(ptr, mask=row_ok, other=-1)
+    # compared in the routes' dtype: huge int64 IDs must not wrap into range
+    valid = row_ok & (ids >= 0) & (ids < kv_length)
+    return t, ids, valid, in_range
+
+
+@triton.jit
 def fill(ptr, start, end, value: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """``ptr[start:end] = value`` (int32), ``BLOCK`` entries per step."""
     if INTERPRET:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .language import SUM, fill, program_rows, program_xy
+from .language import SUM, fill, group_routes, program_xy
 
 
 @triton.jit
@@ -37,22 +37,8 @@ def union_mark_kernel(
     w = w32.to(tl.int64)
     group = first_group + w
     i = chunk * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    in_range = i < T * k
-    if FOLD > 1:
-        in_range = tl.where(live, in_range, False)
-    t = i // k
-    tile = group % n_tiles
-    if PAIRS == 0:
-        row = tile * T + t
-        row_ok = in_range & (row < s_q)
-    else:
-        first_row, last_row = program_rows(tile * PAIRS, PAIRS, group_size)
-        row = first_row + t
-        row_ok = in_range & (row < s_q) & (row <= last_row)
-    ptr = ROUTES + (group // n_tiles) * sr_b + row.to(tl.int64) * sr_s + (i % k).to(tl.int64) * sr_k
-    ids = tl.load(ptr, mask=row_ok, other=-1)
-    # compared in the routes' dtype: huge int64 IDs must not wrap into range
-    valid = row_ok & (ids >= 0) & (ids < kv_length)
+    t, ids, valid, _ = group_routes(ROUTES, group, i, live, sr_b, sr_s, sr_k, s_q, k, kv_length, n_tiles,
+                                    group_size, T, PAIRS, FOLD)
     word = BITS + w * kv_length + tl.where(valid, ids, 0).to(tl.int64)
     tl.atomic_or(word, tl.full([BLOCK], 1, tl.int32) << t.to(tl.int32), mask=valid, sem="relaxed")
 

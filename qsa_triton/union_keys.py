@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .language import program_rows, program_xy
+from .language import group_routes, program_xy
 
 
 @triton.jit
@@ -33,22 +33,8 @@ def union_keys_kernel(
     group32, chunk, live = program_xy(n_groups, n_chunks, FOLD)
     group = group32.to(tl.int64)
     i = chunk * BLOCK + tl.arange(0, BLOCK)
-    in_range = i < T * k
-    if FOLD > 1:
-        in_range = tl.where(live, in_range, False)
-    t = i // k
-    tile = group % n_tiles
-    if PAIRS == 0:
-        row = tile * T + t
-        row_ok = in_range & (row < s_q)
-    else:
-        first_row, last_row = program_rows(tile * PAIRS, PAIRS, group_size)
-        row = first_row + t
-        row_ok = in_range & (row < s_q) & (row <= last_row)
-    ptr = ROUTES + (group // n_tiles) * sr_b + row.to(tl.int64) * sr_s + (i % k).to(tl.int64) * sr_k
-    ids = tl.load(ptr, mask=row_ok, other=-1)
-    # compared in the routes' dtype: huge int64 IDs must not wrap into range
-    valid = row_ok & (ids >= 0) & (ids < kv_length)
+    t, ids, valid, in_range = group_routes(ROUTES, group, i, live, sr_b, sr_s, sr_k, s_q, k, kv_length, n_tiles,
+                                           group_size, T, PAIRS, FOLD)
     key_type = KEYS.dtype.element_ty
     low = tl.where(valid, (tl.where(valid, ids, 0).to(key_type) << SHIFT) + t.to(key_type), sentinel)
     high = (group % per_sort).to(key_type) << KEY_BITS
