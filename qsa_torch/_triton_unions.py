@@ -75,7 +75,8 @@ def bitmap_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
                   max_grid_y: int = MAX_GRID_Y) -> TileUnions:
     """:func:`sorted_unions` without the sort (``qsa_triton.union_bitmap``): the same
     unions element for element, from a bitmap of row bits per group, built window by
-    window in a scratch no larger than the sort's keys."""
+    window in a scratch no larger than the sort's int32 keys (or one ``kv_length`` row,
+    where that is larger)."""
     bsz, _, k = routes.shape
     device = routes.device
     shape = (bsz, step.n_groups, step.width)

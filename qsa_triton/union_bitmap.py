@@ -52,7 +52,7 @@ def _compact_step(start, kv_length, bits, union, rowbits, carry, BLOCK: tl.const
     slot = carry + tl.associative_scan(hit.to(tl.int32), 0, SUM) - 1
     tl.store(union + slot, ids, mask=hit)
     tl.store(rowbits + slot, word, mask=hit)
-    tl.store(bits + ids, tl.zeros_like(word), mask=hit)
+    tl.store(bits + ids, tl.full([BLOCK], 0, tl.int32), mask=hit)
     return carry + tl.reduce(hit.to(tl.int32), 0, SUM)
 
 

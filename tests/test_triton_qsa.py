@@ -730,6 +730,8 @@ def test_launches_name_every_kernel_argument():
         spec.keys_launch(step, routes, 40, 65535),
         spec.merge_launch(step, 2, 20, interpreted=False),
         spec.cut_launch(cut, (2, step.n_groups, step.width), 65535, interpreted=False),
+        spec.mark_launch(step, routes, 40, 1, 2, 65535),
+        spec.compact_launch(step, 40, 1, 2, interpreted=False),
     ]
     for launch in launches:
         assert launch.arg_names() == tuple(spec.kernel(launch.kernel).arg_names), launch.kernel
@@ -802,3 +804,20 @@ def test_bitmap_unions_equal_sorted_unions(monkeypatch, window, rows, pairs, gro
     assert_unions_equal(got, want)
     if rows == 32:
         assert (want[2] < 0).any(), "row 31's bit (int32's sign) should be set somewhere"
+
+
+def test_bitmap_unions_over_a_folded_mark_grid():
+    """The mark kernel's grid folded (``max_grid_y`` 1 against two chunks of routes per
+    group: its dead programs masked off) gives the sorted recipe's unions."""
+    from qsa_triton.launch import UNION_BLOCK
+
+    rng = _fresh_rng()
+    kv_length, width, s_q, rows = 200, 40, 70, 32
+    assert rows * width > UNION_BLOCK
+    routes = rng.integers(-3, kv_length + 3, size=(1, s_q, width))
+    raw = torch.from_numpy(routes).to(DEVICE)
+    n_groups = -(-s_q // rows)
+    step = SortStep(rows, n_groups, min(rows * width, kv_length), KeyPlan.make(n_groups, rows, width, kv_length))
+    want = _numpy(_triton_unions.sorted_unions(raw, kv_length, step))
+    assert_unions_equal(_numpy(_triton_unions.bitmap_unions(raw, kv_length, step, max_grid_y=1)), want, "folded")
+    assert_unions_equal(want, tile_unions(routes, kv_length, rows))
