@@ -24,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from qsa_triton import launch as spec
-from qsa_triton.plan import CutStep, SortStep
+from qsa_triton.plan import CutStep, SortStep, bitmap_recipe
 
-__all__ = ["JaxTritonLauncher", "jax_triton", "sorted_unions", "cut_unions", "operand"]
+__all__ = ["JaxTritonLauncher", "jax_triton", "sorted_unions", "bitmap_unions", "step_unions", "cut_unions",
+           "operand"]
 
 
 def jax_triton():
@@ -108,6 +109,31 @@ def sorted_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y:
     keys = jnp.concatenate([jnp.sort(keys[start:start + chunk]) for start in range(0, n, chunk)])
     merged = launcher(spec.merge_launch(step, bsz, k, interpreted=launcher.interpreted), {"KEYS": keys})
     return merged["UNION"], merged["COUNT"], merged["ROWBITS"]
+
+
+def bitmap_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y: int, launcher):
+    """:func:`sorted_unions` without the sort: the mark and compact kernels
+    (``qsa_triton.union_bitmap``), window by window (``qsa_torch``'s recipe)."""
+    bsz, _, k = routes.shape
+    groups = bsz * step.n_groups
+    window = spec.bitmap_window(step, bsz, k, kv_length)
+    parts = []
+    for first in range(0, groups, window):
+        n_window = min(window, groups - first)
+        bits = launcher(spec.mark_launch(step, operand(routes), kv_length, first, n_window, max_grid_y),
+                        {"ROUTES": routes})
+        parts.append(launcher(spec.compact_launch(step, kv_length, n_window, interpreted=launcher.interpreted),
+                              bits))
+    union, rowbits, count = (parts[0][name] if len(parts) == 1 else jnp.concatenate([p[name] for p in parts])
+                             for name in ("UNION", "ROWBITS", "COUNT"))
+    shape = (bsz, step.n_groups, step.width)
+    return union.reshape(shape), count.reshape(shape[:2]), rowbits.reshape(shape)
+
+
+def step_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y: int, launcher):
+    """``step``'s unions by the recipe ``qsa_triton.plan.bitmap_recipe`` picks."""
+    fn = bitmap_unions if bitmap_recipe(step, routes.shape[2], kv_length) else sorted_unions
+    return fn(routes, kv_length, step, max_grid_y, launcher)
 
 
 def cut_unions(unions, step: CutStep, max_grid_y: int, launcher):

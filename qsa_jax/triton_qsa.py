@@ -27,7 +27,7 @@ from qsa_triton.config import BlockSizes, default_block_sizes
 from qsa_triton.plan import Plan, backward_cut, default_plan, make_plan, union_recipe
 
 from . import _triton_call
-from ._triton_call import cut_unions, operand, sorted_unions
+from ._triton_call import cut_unions, operand, step_unions
 from .routes import UnsupportedDtype, UnsupportedShape, gpu_capability, on_gpu, prepare_routes, validate_inputs
 
 __all__ = ["BlockSizes", "build_unions", "forward_with_lse", "input_maxima", "plan_for", "triton_sparse_gqa_attention"]
@@ -44,7 +44,7 @@ def build_unions(routes, kv_length: int, plan: Plan, launcher=None):
     routes = jnp.asarray(routes)
     bsz, s_q, k = routes.shape
     step, cut = union_recipe(plan, s_q, k, kv_length, bsz, wide_keys=jax.config.jax_enable_x64)
-    unions = sorted_unions(routes, kv_length, step, plan.max_grid_y, launcher)
+    unions = step_unions(routes, kv_length, step, plan.max_grid_y, launcher)
     return unions if cut is None else cut_unions(unions, cut, plan.max_grid_y, launcher)
 
 

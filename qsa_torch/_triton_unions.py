@@ -1,10 +1,13 @@
 """Route unions for the Triton kernels, built through torch.
 
-The recipe is ``qsa_triton.plan.union_recipe`` (shared with ``qsa_jax``): per group of
-query rows, a Triton kernel writes one sort key per route straight from the routes (any
-strides, int32 or int64), ``torch.sort`` orders them (flat radix sorts of many groups at
-once), and a second kernel turns the sorted keys into the union, its length and the row
-bits; coarser unions are cut into finer ones by a third kernel instead of sorting again.
+The recipe is ``qsa_triton.plan.union_recipe`` (shared with ``qsa_jax``), per group of
+query rows one of two that give the same unions (``qsa_triton.plan.bitmap_recipe``
+picks): a mark kernel ORs each route's row bit into a zeroed bitmap over S_kv and a
+compact kernel scans it in ID order; or a Triton kernel writes one sort key per route
+straight from the routes (any strides, int32 or int64), ``torch.sort`` orders them (flat
+radix sorts of many groups at once), and a second kernel turns the sorted keys into the
+union, its length and the row bits. Coarser unions are cut into finer ones by a third
+kernel instead of being built again.
 Nothing synchronises with the host: union widths are static (``T * K`` capped at S_kv).
 """
 
@@ -16,7 +19,8 @@ import torch
 
 from qsa_triton import launch as spec
 from qsa_triton.config import MAX_ROWS_PER_TILE
-from qsa_triton.plan import MAX_GRID_Y, CutStep, KeyPlan, Plan, SortStep, backward_cut, tile_cut, union_recipe
+from qsa_triton.plan import (MAX_GRID_Y, CutStep, KeyPlan, Plan, SortStep, backward_cut, bitmap_recipe, tile_cut,
+                             union_recipe)
 
 from . import _triton_launch as launcher
 from .routes import validate_routes
@@ -74,25 +78,33 @@ def sorted_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
 def bitmap_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
                   max_grid_y: int = MAX_GRID_Y) -> TileUnions:
     """:func:`sorted_unions` without the sort (``qsa_triton.union_bitmap``): the same
-    unions element for element, from a bitmap of row bits per group, built window by
+    unions element for element, from a zeroed bitmap of row bits per group, window by
     window in a scratch no larger than the sort's int32 keys (or one ``kv_length`` row,
     where that is larger)."""
     bsz, _, k = routes.shape
-    device = routes.device
-    shape = (bsz, step.n_groups, step.width)
-    union = torch.empty(shape, dtype=torch.int32, device=device)
-    rowbits = torch.empty(shape, dtype=torch.int32, device=device)
-    count = torch.empty(shape[:2], dtype=torch.int32, device=device)
+    groups = bsz * step.n_groups
     window = spec.bitmap_window(step, bsz, k, kv_length)
-    bits = torch.zeros((window, kv_length), dtype=torch.int32, device=device)
     operand = (tuple(routes.shape), routes.stride())
-    arrays = {"ROUTES": routes, "BITS": bits, "UNION": union, "ROWBITS": rowbits, "COUNT": count}
     interpreted = launcher.interpreted()
-    for first in range(0, bsz * step.n_groups, window):
-        n_window = min(window, bsz * step.n_groups - first)
-        launcher.run(spec.mark_launch(step, operand, kv_length, first, n_window, max_grid_y), arrays, device)
-        launcher.run(spec.compact_launch(step, kv_length, first, n_window, interpreted=interpreted), arrays, device)
-    return TileUnions(union, count, rowbits, step.rows)
+    parts = []
+    for first in range(0, groups, window):
+        n_window = min(window, groups - first)
+        bits = launcher.run(spec.mark_launch(step, operand, kv_length, first, n_window, max_grid_y),
+                            {"ROUTES": routes}, routes.device)
+        parts.append(launcher.run(spec.compact_launch(step, kv_length, n_window, interpreted=interpreted), bits,
+                                  routes.device))
+        del bits
+    union, rowbits, count = (parts[0][name] if len(parts) == 1 else torch.cat([p[name] for p in parts])
+                             for name in ("UNION", "ROWBITS", "COUNT"))
+    shape = (bsz, step.n_groups, step.width)
+    return TileUnions(union.view(shape), count.view(shape[:2]), rowbits.view(shape), step.rows)
+
+
+def step_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
+                max_grid_y: int = MAX_GRID_Y) -> TileUnions:
+    """``step``'s unions by the recipe ``qsa_triton.plan.bitmap_recipe`` picks."""
+    fn = bitmap_unions if bitmap_recipe(step, routes.shape[2], kv_length) else sorted_unions
+    return fn(routes, kv_length, step, max_grid_y)
 
 
 def cut_unions(unions: TileUnions, step: CutStep, max_grid_y: int = MAX_GRID_Y) -> TileUnions:
@@ -128,7 +140,7 @@ def build_unions(routes: torch.Tensor, kv_length: int, plan: Plan) -> TileUnions
     check_union_arguments(routes, kv_length, plan.rows_per_tile)
     bsz, s_q, k = routes.shape
     step, cut = union_recipe(plan, s_q, k, kv_length, bsz)
-    unions = sorted_unions(routes, kv_length, step, plan.max_grid_y)
+    unions = step_unions(routes, kv_length, step, plan.max_grid_y)
     return unions if cut is None else cut_unions(unions, cut, plan.max_grid_y)
 
 

@@ -29,7 +29,7 @@ from .plan import CutStep, Plan, SortStep, fold_grid, min_backward_block_k, offs
 __all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES",
            "LOG2E", "FIXED_POINT_BLOCK", "fp32", "contiguous_strides", "attempts", "forward_launch",
            "backward_launch", "fixed_point_bounds", "fixed_point_launch", "keys_launch", "merge_launch",
-           "cut_launch", "kernel", "interpreted", "interprets"]
+           "bitmap_window", "mark_launch", "compact_launch", "cut_launch", "kernel", "interpreted", "interprets"]
 
 LOG2E = 1.4426950408889634
 UNION_BLOCK = 1024  # keys (IDs) per step of the union kernels
@@ -287,7 +287,7 @@ def bitmap_window(step: SortStep, batch: int, k: int, kv_length: int) -> int:
 def mark_launch(step: SortStep, routes: Operand, kv_length: int, first_group: int, n_window: int,
                 max_grid_y: int) -> Launch:
     """Bitmap marks of groups ``[first_group, first_group + n_window)`` (group = batch row *
-    n_groups + group) into BITS int32 ``[n_window, kv_length]`` (zero on entry)."""
+    n_groups + group): BITS int32 ``[n_window, kv_length]`` (zeroed output)."""
     (bsz, s_q, k), strides = routes
     n_chunks = -(-step.rows * k // UNION_BLOCK)
     grid, fold = fold_grid(n_window, n_chunks, max_grid_y)
@@ -295,16 +295,18 @@ def mark_launch(step: SortStep, routes: Operand, kv_length: int, first_group: in
         ("s_q", s_q), ("k", k), ("kv_length", kv_length), ("n_tiles", step.n_groups), ("first_group", first_group),
         ("n_window", n_window), ("n_chunks", n_chunks), ("group_size", step.group),
         ("T", step.rows), ("BLOCK", UNION_BLOCK), ("PAIRS", step.pairs), ("FOLD", fold)]
-    return Launch("union_mark", grid, ("ROUTES", "BITS"), (), (), tuple(params), UNION_WARPS, UNION_STAGES)
+    return Launch("union_mark", grid, ("ROUTES",), (), (Output("BITS", (n_window, kv_length), "int32", zeroed=True),),
+                  tuple(params), UNION_WARPS, UNION_STAGES)
 
 
-def compact_launch(step: SortStep, kv_length: int, first_group: int, n_window: int, *,
-                   interpreted: bool) -> Launch:
-    """Unions of the window's groups from BITS (left zero): rows of UNION / ROWBITS int32
-    ``[B, n_groups, width]`` and COUNT ``[B, n_groups]``, written in full."""
-    return Launch("union_compact", (n_window,), ("BITS", "UNION", "ROWBITS", "COUNT"), (), (),
-                  (("kv_length", kv_length), ("first_group", first_group), ("width", step.width),
-                   ("BLOCK", UNION_BLOCK), ("INTERPRET", interpreted)),
+def compact_launch(step: SortStep, kv_length: int, n_window: int, *, interpreted: bool) -> Launch:
+    """Unions of a window's groups from the mark kernel's BITS: UNION / ROWBITS int32
+    ``[n_window, width]`` and COUNT int32 ``[n_window]``, written in full."""
+    outputs = (Output("UNION", (n_window, step.width), "int32"), Output("ROWBITS", (n_window, step.width), "int32"),
+               Output("COUNT", (n_window,), "int32"))
+    return Launch("union_compact", (n_window,), ("BITS",), (), outputs,
+                  (("kv_length", kv_length), ("width", step.width), ("BLOCK", UNION_BLOCK),
+                   ("INTERPRET", interpreted)),
                   UNION_WARPS, UNION_STAGES)
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from .config import MAX_ROWS_PER_TILE, BlockSizes
 
 __all__ = ["MAX_GRID_Y", "MAX_GRID_X", "INT32_MAX", "Plan", "make_plan", "default_plan", "next_pow2", "flat_span",
-           "flat_pairs", "flat_union_rows", "program_rows", "KeyPlan", "SortStep", "CutStep", "union_recipe", "tile_cut",
-           "backward_cut", "fold_grid", "offsets_fit_int32"]
+           "flat_pairs", "flat_union_rows", "program_rows", "KeyPlan", "SortStep", "CutStep", "union_recipe",
+           "BITMAP_SCAN_PER_KEY", "bitmap_recipe", "tile_cut", "backward_cut", "fold_grid", "offsets_fit_int32"]
 
 MAX_GRID_Y = 65535  # CUDA's limit on grid dimensions y and z
 MAX_GRID_X = 2**31 - 1
@@ -256,6 +256,18 @@ def union_recipe(plan: Plan, s_q: int, k: int, kv_length: int, batch: int = 1, *
     tiles = sort(tile_rows, -(-s_q // tile_rows))
     return tiles, CutStep(tile_rows * plan.group // pairs, 1, pairs, plan.group, plan.n_tiles(s_q),
                           min(span * k, tiles.width), span)
+
+
+# The bitmap recipe scans S_kv words per group where the sort orders rows * K keys; it is
+# used while S_kv is at most this many times rows * K (the measured crossover,
+# docs/benchmarks.md "Route unions without a sort").
+BITMAP_SCAN_PER_KEY = 4
+
+
+def bitmap_recipe(step: SortStep, k: int, kv_length: int) -> bool:
+    """Whether ``step``'s unions are built by the bitmap recipe (``union_bitmap.py``)
+    rather than by sorting keys; both give the same unions element for element."""
+    return kv_length <= BITMAP_SCAN_PER_KEY * step.rows * k
 
 
 def tile_cut(parent_rows: int, parent_width: int, rows: int, top_k: int, s_q: int) -> CutStep | None:

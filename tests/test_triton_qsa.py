@@ -731,7 +731,7 @@ def test_launches_name_every_kernel_argument():
         spec.merge_launch(step, 2, 20, interpreted=False),
         spec.cut_launch(cut, (2, step.n_groups, step.width), 65535, interpreted=False),
         spec.mark_launch(step, routes, 40, 1, 2, 65535),
-        spec.compact_launch(step, 40, 1, 2, interpreted=False),
+        spec.compact_launch(step, 40, 2, interpreted=False),
     ]
     for launch in launches:
         assert launch.arg_names() == tuple(spec.kernel(launch.kernel).arg_names), launch.kernel
@@ -783,7 +783,7 @@ def test_bitmap_unions_equal_sorted_unions(monkeypatch, window, rows, pairs, gro
     """qsa_triton.union_bitmap: the unions of the keys / sort / merge recipe, element for
     element (-1 / 0 padding included), from raw int64 routes with padding, out-of-range and
     repeated IDs, two batch rows, tiles (row 31's bit used) or flat programs (PAIRS), in one
-    window or several (the compact kernel must leave the scratch zero for the next)."""
+    window or several (each window's unions land at its own groups)."""
     from qsa_triton import launch as launch_spec
 
     if window is not None:

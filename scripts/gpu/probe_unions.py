@@ -1,6 +1,6 @@
 """Where the route unions' time goes (torch Triton), and what a keys-only sort would take.
 
-    python3 scripts/gpu/probe_unions.py --out DIR [--seq-lens 8192 32768] [--overlap 0.8]
+    python3 scripts/gpu/probe_unions.py --out DIR [--seq-lens 8192 32768] [--overlap 0.8] [--kv-scales 1 2 4 8]
 
 Per S: QSA-format routes from the benchmark's generator (``parity.bench_routes``, B=1,
 top_k 512, the given adjacent-row overlap), the default plan of (24,2) heads at D=256
@@ -9,9 +9,12 @@ pieces in order: the keys kernel, ``torch.sort`` of the keys (what ``sorted_unio
 runs: key/value pairs, the values being int64 indices nobody reads), the merge kernel,
 the cut kernel. Then the same keys sorted by sorts that produce no indices: XLA's
 ``jnp.sort`` (what the JAX launcher runs) and, where cupy is installed, ``cupy.sort``;
-each sorted copy is checked equal to torch's. Then the sort-free bitmap recipe
-(``bitmap_unions``): its time and peak memory beside the sorted recipe's, and its unions
-checked equal to theirs. Writes ``probe_unions.json`` under ``--out``.
+each sorted copy is checked equal to torch's. Then both recipes of the step (the bitmap's
+``bitmap_unions`` and ``sorted_unions``) with the routes' IDs spread over ``scale * S``
+K/V rows for each ``--kv-scales`` entry: their times and peak memory, torch and
+JAX, their unions checked equal, and which one ``qsa_triton.plan.bitmap_recipe`` picks
+(the bitmap scans S_kv words per group, the sort orders rows * K keys: this locates the
+crossover). Writes ``probe_unions.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--overlap", type=float, default=0.8)
+    parser.add_argument("--kv-scales", type=int, nargs="+", default=[1, 2, 4, 8],
+                        help="both union recipes on the routes' IDs times each scale (S_kv = scale * S)")
     parser.add_argument("--budget-s", type=float, default=150.0)
     args = parser.parse_args(argv)
 
@@ -40,7 +45,7 @@ def main(argv=None) -> int:
     from qsa_torch import _triton_unions as unions
     from qsa_triton import launch as spec
     from qsa_triton.config import default_block_sizes
-    from qsa_triton.plan import make_plan, union_recipe
+    from qsa_triton.plan import bitmap_recipe, make_plan, union_recipe
 
     record = Record(os.path.join(args.out, "probe_unions.json"), args.budget_s, overlap=args.overlap)
     device = torch.device("cuda")
@@ -70,25 +75,41 @@ def main(argv=None) -> int:
             parent = unions.sorted_unions(routes, seq, step, plan.max_grid_y)
             record.run(key, "cut_kernel_ms", lambda: cuda_ms(lambda: unions.cut_unions(parent, cut, plan.max_grid_y)))
 
-        def bitmap():
-            """The sort-free recipe (``qsa_triton.union_bitmap``): its time, its scratch
-            window, and its unions against the sorted ones, element for element."""
-            sorted_ = unions.sorted_unions(routes, seq, step, plan.max_grid_y)
-            got = unions.bitmap_unions(routes, seq, step, plan.max_grid_y)
+        def recipes(scale):
+            """Both recipes on the routes' IDs times ``scale`` (S_kv = scale * S): times,
+            peak memory, the unions equal element for element, which one
+            ``qsa_triton.plan.bitmap_recipe`` picks, and JAX's build_unions with either."""
+            spread, kv = routes * scale, seq * scale
+            sorted_ = unions.sorted_unions(spread, kv, step, plan.max_grid_y)
+            got = unions.bitmap_unions(spread, kv, step, plan.max_grid_y)
             equal = all(torch.equal(a, b) for a, b in zip((got.union, got.count, got.rowbits),
                                                           (sorted_.union, sorted_.count, sorted_.rowbits)))
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            ms = cuda_ms(lambda: unions.bitmap_unions(routes, seq, step, plan.max_grid_y))
-            bitmap_peak = torch.cuda.max_memory_allocated() - base
-            torch.cuda.reset_peak_memory_stats()
-            cuda_ms(lambda: unions.sorted_unions(routes, seq, step, plan.max_grid_y), reps=2, warmup=0)
-            sorted_peak = torch.cuda.max_memory_allocated() - base
-            return {"bitmap_ms": ms, "equal_to_sorted": equal,
-                    "window": spec.bitmap_window(step, 1, routes.shape[2], seq),
-                    "peak_mib": {"bitmap": bitmap_peak / 2**20, "sorted": sorted_peak / 2**20}}
+            del sorted_, got
+            result = {"kv_per_key": kv / (step.rows * routes.shape[2]), "equal": equal,
+                      "picks_bitmap": bitmap_recipe(step, routes.shape[2], kv),
+                      "window": spec.bitmap_window(step, 1, routes.shape[2], kv)}
+            for name, fn in (("bitmap", unions.bitmap_unions), ("sorted", unions.sorted_unions)):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                result[f"{name}_ms"] = cuda_ms(lambda: fn(spread, kv, step, plan.max_grid_y))
+                result[f"{name}_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            try:
+                import jax
+                import jax.numpy as jnp
 
-        record.run(key, "bitmap_unions", bitmap)
+                from qsa_jax import _triton_call
+                jax_routes = jnp.asarray(spread.cpu().numpy())
+                jl = _triton_call.default_launcher()
+                for name, fn in (("bitmap", _triton_call.bitmap_unions), ("sorted", _triton_call.sorted_unions)):
+                    build = jax.jit(lambda r, fn=fn: fn(r, kv, step, plan.max_grid_y, jl))
+                    result[f"jax_{name}_ms"] = jax_ms(build, jax_routes)
+            except ImportError as err:
+                result["jax"] = f"unavailable: {err}"
+            return result
+
+        for scale in args.kv_scales:
+            record.run(key, f"recipes_kv_x{scale}", lambda: recipes(scale))
 
         def jax_sort():
             import jax
