@@ -93,17 +93,40 @@ def _operand(t: torch.Tensor) -> spec.Operand:
     return tuple(t.shape), tuple(t.stride())
 
 
+@functools.cache
+def hopper_forward(device: torch.device) -> bool:
+    """Whether ``device`` runs the warp-specialized forward (``qsa_triton.forward_sm90``):
+    compute capability 9.0, enough shared memory per block, and a triton with Gluon."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    props = torch.cuda.get_device_properties(device)
+    if getattr(props, "shared_memory_per_block_optin", 0) < spec.SM90_FORWARD_SHARED:
+        return False
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def forward(q, k, v, unions, scale: float, plan: Plan):
     """Forward kernel over the forward's unions (``TileUnions``): out ``[B,S_q,Hq,D]``
-    (q's dtype) and the natural-log LSE ``[B,Hq,S_q]`` fp32."""
+    (q's dtype) and the natural-log LSE ``[B,Hq,S_q]`` fp32. On Hopper, operands in its
+    scope take the warp-specialized kernel (``qsa_triton.launch.forward_sm90_launch``)."""
     interpret = interpreted()
     dtype = dtype_name(q.dtype)
+    arrays = dict(Q=q, K=k, V=v, UNION=unions.union, COUNT=unions.count, ROWBITS=unions.rowbits)
+    if not interpret and hopper_forward(q.device):
+        launch = spec.forward_sm90_launch(plan, _operand(q), _operand(k), _operand(v), tuple(unions.union.shape),
+                                          scale, dtype)
+        if launch is not None and all(x.data_ptr() % 16 == 0 for x in (q, k, v)):
+            outputs = run(launch, arrays, q.device)
+            return outputs["O"], outputs["LSE"]
 
     def build(attempt):
         return spec.forward_launch(plan, _operand(q), _operand(k), _operand(v), tuple(unions.union.shape), scale,
                                    dtype, interpreted=interpret, attempt=attempt)
 
-    arrays = dict(Q=q, K=k, V=v, UNION=unions.union, COUNT=unions.count, ROWBITS=unions.rowbits)
     outputs = _run_fitting(build, plan, False, arrays, q.device)
     return outputs["O"], outputs["LSE"]
 

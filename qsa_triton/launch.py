@@ -28,8 +28,8 @@ from .plan import CutStep, Plan, SortStep, fold_grid, min_backward_block_k, offs
 
 __all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES",
            "LOG2E", "FIXED_POINT_BLOCK", "fp32", "contiguous_strides", "attempts", "forward_launch",
-           "backward_launch", "fixed_point_bounds", "fixed_point_launch", "keys_launch", "merge_launch",
-           "bitmap_window", "mark_launch", "compact_launch", "cut_launch", "kernel", "interpreted", "interprets"]
+           "backward_launch", "forward_sm90_launch", "SM90_FORWARD_SHARED", "fixed_point_bounds",
+           "fixed_point_launch", "keys_launch", "merge_launch", "bitmap_window", "mark_launch", "compact_launch", "cut_launch", "kernel", "interpreted", "interprets"]
 
 LOG2E = 1.4426950408889634
 UNION_BLOCK = 1024  # keys (IDs) per step of the union kernels
@@ -164,6 +164,44 @@ def forward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: 
         (Output("O", o_shape, dtype), Output("LSE", lse_shape, "float32")),
         tuple(strides + ints + constexprs + [("OFFS32", offs32), ("FOLD", fold)]),
         plan.blocks.num_warps, attempt.stages)
+
+
+# The Hopper forward (forward_sm90.py): its fixed tiling, and the shared memory of its
+# sm_90a compile (Q, two stages of K and V, barriers).
+SM90_FORWARD_PAIRS, SM90_FORWARD_BLOCK_K, SM90_FORWARD_STAGES, SM90_FORWARD_WARPS = 128, 64, 2, 8
+SM90_FORWARD_SHARED = 196868
+
+
+def forward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: tuple[int, int, int],
+                        scale: float, dtype: str) -> Launch | None:
+    """:func:`forward_launch` for the warp-specialized Hopper kernel (``forward_sm90.py``;
+    same outputs, bitwise the same unions and order of the softmax updates), or None where
+    the operands are outside its scope: a flat plan of 128 pairs and 64-ID chunks, 16-bit
+    inputs, D = 256 with unit stride along D, every other stride a multiple of 16 (the
+    16-byte copies' alignment), element offsets within int32, an unfolded grid. The
+    caller checks the device (sm_90) and the base pointers' 16-byte alignment."""
+    (bsz, s_q, hq, d), (_, _, hkv, _) = q[0], k[0]
+    _, n_tiles, width = union_shape
+    if (dtype not in ("bfloat16", "float16") or d != 256 or not plan.flat or not plan.pairs_fit(s_q)
+            or plan.fwd_heads != SM90_FORWARD_PAIRS or plan.blocks.block_k != SM90_FORWARD_BLOCK_K):
+        return None
+    strides = [x[1] for x in (q, k, v)]
+    if any(st[3] != 1 or any(int(x) % 16 for x in st[:3]) for st in strides):
+        return None
+    if not offsets_fit_int32(_kv_extents(k, v), plan.offset_limit) or bsz * hkv > plan.max_grid_y:
+        return None
+    o_shape, lse_shape = (bsz, s_q, hq, d), (bsz, hq, s_q)
+    params = (_strides("sq_", q[1], _BSH) + _strides("sk_", k[1], _BSH) + _strides("sv_", v[1], _BSH)
+              + _strides("so_", contiguous_strides(o_shape), _BSH)
+              + _strides("sl_", contiguous_strides(lse_shape), _BHS)
+              + [("S_q", s_q), ("N_TILES", n_tiles), ("UNION_WIDTH", width), ("HKV", hkv), ("G", plan.group),
+                 ("PAIRS", SM90_FORWARD_PAIRS), ("D", d), ("BLOCK_K", SM90_FORWARD_BLOCK_K),
+                 ("STAGES", SM90_FORWARD_STAGES)])
+    return Launch(
+        "forward_sm90", (n_tiles, bsz * hkv), ("Q", "K", "V", "UNION", "COUNT", "ROWBITS"),
+        (("scale_log2", fp32(scale * LOG2E)),),
+        (Output("O", o_shape, dtype), Output("LSE", lse_shape, "float32")),
+        tuple(params), SM90_FORWARD_WARPS, 1)
 
 
 def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
@@ -328,7 +366,8 @@ def cut_launch(step: CutStep, parent_shape: tuple[int, int, int], max_grid_y: in
 
 
 # ----------------------------------------------------------------------- kernels
-_MODULES = {"forward": ("forward", "qsa_forward_kernel"), "backward": ("backward", "qsa_backward_kernel"),
+_MODULES = {"forward": ("forward", "qsa_forward_kernel"), "forward_sm90": ("forward_sm90", "qsa_forward_sm90_kernel"),
+            "backward": ("backward", "qsa_backward_kernel"),
             "fixed_point": ("fixed_point", "fixed_point_kernel"),
             "union_keys": ("union_keys", "union_keys_kernel"), "union_merge": ("union_merge", "union_merge_kernel"),
             "union_cut": ("union_cut", "union_cut_kernel"),

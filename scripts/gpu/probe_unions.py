@@ -80,6 +80,7 @@ def main(argv=None) -> int:
             peak memory, the unions equal element for element, which one
             ``qsa_triton.plan.bitmap_recipe`` picks, and JAX's build_unions with either."""
             spread, kv = routes * scale, seq * scale
+            step, _ = union_recipe(plan, seq, routes.shape[2], kv, 1)  # keys sized for this S_kv
             sorted_ = unions.sorted_unions(spread, kv, step, plan.max_grid_y)
             got = unions.bitmap_unions(spread, kv, step, plan.max_grid_y)
             equal = all(torch.equal(a, b) for a, b in zip((got.union, got.count, got.rowbits),

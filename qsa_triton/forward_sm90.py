@@ -1,0 +1,204 @@
+"""Forward kernel for Hopper (sm_90a) in Gluon: warp-specialized token gathers.
+
+The same program, unions and math as ``forward.py`` (flat programs of ``PAIRS`` (row,
+head) pairs of one KV head's group, the tile union walked in chunks of BLOCK_K IDs, an
+fp32 online softmax in the log2 domain), split across warps as in FlashAttention-3 /
+FlashMLA: a 4-warp producer partition gathers each chunk's K and V rows with cp.async
+into a ring of STAGES shared-memory buffers and signals an mbarrier per buffer (one
+``cp.async.mbarrier.arrive.noinc`` per producer thread, so a barrier completes when all
+of the chunk's copies have landed); the 8-warp consumer partition (two warpgroups of 64
+matrix rows) runs the wgmma products and the softmax, and releases each buffer with one
+arrival once its products are done. Gathers of chunk j + 1 thus overlap the products of
+chunk j.
+
+Scope: 16-bit inputs, D = 256 with unit stride along D, PAIRS = 128, BLOCK_K = 64, an
+unfolded grid; everything else takes ``forward.py``. Gluon kernels do not run in
+Triton's interpreter: this one is tested on the GPU only, against ``forward.py`` and the
+float64 oracle (``tests/test_forward_sm90.py``).
+
+Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
+scalars, outputs, then integers and constexprs (by keyword).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+PRODUCER_WARPS = gl.constexpr(4)
+# registers per producer thread (setmaxnreg): addresses of its 16-byte copies and loop state
+PRODUCER_REGS = gl.constexpr(96)
+
+
+@gluon.jit
+def _pairs(tile, S_q, G, layout: gl.constexpr, PAIRS: gl.constexpr):
+    """Per matrix row m (in ``layout``): its bit t in ``rowbits``, query row and head
+    within the group (int64, 0 where invalid) and validity (``language.pair_coordinates``,
+    flat)."""
+    m = gl.arange(0, PAIRS, layout=layout)
+    pair = tile * PAIRS + m
+    row = pair // G
+    t = row - (tile * PAIRS) // G
+    row_ok = row < S_q
+    head = gl.where(row_ok, pair % G, 0).to(gl.int64)
+    row64 = gl.where(row_ok, row, 0).to(gl.int64)
+    return t, row64, head, row_ok
+
+
+@gluon.jit
+def _chunk_ids(UNION, base, start, count, rows):
+    """IDs of union chunk [start, start + len(rows)); entries past the count repeat IDs of
+    the union (``language.gather_chunk``'s rule), so every gathered row is a routed one."""
+    u = start + rows
+    src = gl.where(u < count, u, u - count)
+    return gl.load(UNION + base + gl.where(src < count, src, 0))
+
+
+@gluon.jit
+def _producer(Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
+              tile, S_q, G, q_base, sq_s, sq_h, kv_base_k, kv_base_v, sk_s, sv_s, union_base, count,
+              PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    # [rows, D] pointer tiles: 8 lanes of 16 bytes per thread per row, one warp per row
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    # the program's Q rows, once (rows past S_q are zero-filled)
+    _, row64, head, row_ok = _pairs(tile, S_q, G, gl.SliceLayout(1, blk), PAIRS)
+    q_ptr = Q + gl.expand_dims(q_base + row64 * sq_s + head * sq_h, 1) + gl.expand_dims(cols, 0)
+    q_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < D, 0)
+    async_copy.async_copy_global_to_shared(q_smem, q_ptr, q_mask)
+    async_copy.mbarrier_arrive(ready.index(2 * STAGES), increment_count=False)
+    rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, blk))
+    n_chunks = gl.cdiv(count, BLOCK_K)
+    for j in range(n_chunks):
+        s = j % STAGES
+        # a fresh barrier counts as released for parity 1: the first STAGES waits pass
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        ids = _chunk_ids(UNION, union_base, j * BLOCK_K, count, rows)
+        k_ptr = K + kv_base_k + gl.expand_dims(ids * sk_s, 1) + gl.expand_dims(cols, 0)
+        async_copy.async_copy_global_to_shared(k_bufs.index(s), k_ptr)
+        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        v_ptr = V + kv_base_v + gl.expand_dims(ids * sv_s, 1) + gl.expand_dims(cols, 0)
+        async_copy.async_copy_global_to_shared(v_bufs.index(s), v_ptr)
+        async_copy.mbarrier_arrive(ready.index(STAGES + s), increment_count=False)
+
+
+@gluon.jit
+def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2,
+              tile, S_q, G, o_base, so_s, so_h, lse_base, sl_h, sl_s, union_base, count,
+              PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    nw: gl.constexpr = gl.num_warps()
+    # [PAIRS, BLOCK_K] scores and [PAIRS, D] output: each warpgroup owns 64 matrix rows
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, BLOCK_K, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    t_s, row64, head, ok_s = _pairs(tile, S_q, G, row_s, PAIRS)
+    cols_k = gl.arange(0, BLOCK_K, layout=col_s)
+    m_i = gl.full([PAIRS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.full([PAIRS], 0.0, gl.float32, layout=row_s)
+    acc = gl.zeros([PAIRS, D], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([PAIRS, BLOCK_K], gl.float32, layout=s_layout)
+    mbarrier.wait(ready.index(2 * STAGES), 0)
+    n_chunks = gl.cdiv(count, BLOCK_K)
+    for j in range(n_chunks):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        u = j * BLOCK_K + cols_k
+        bits = gl.load(ROWBITS + union_base + u, mask=u < count, other=0)
+        mbarrier.wait(ready.index(s), phase)
+        fence_async_shared()  # cp.async (generic proxy) writes before wgmma (async proxy) reads
+        k_buf = k_bufs.index(s)
+        scores = warpgroup_mma(q_smem, k_buf.permute([1, 0]), zero_s, use_acc=False, is_async=True)
+        scores = warpgroup_mma_wait(0, deps=[scores])
+        member = (((gl.expand_dims(bits, 0) >> gl.expand_dims(t_s, 1)) & 1) != 0) & gl.expand_dims(ok_s, 1)
+        scores = gl.where(member, scores * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+        # rows with nothing seen yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(scores - gl.expand_dims(m_shift, 1))
+        alpha = gl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
+        mbarrier.wait(ready.index(STAGES + s), phase)
+        fence_async_shared()
+        v_buf = v_bufs.index(s)
+        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index(s), count=1)
+
+    # l_i is 0 exactly for a row without routes; NaN counts as routed (forward.py)
+    has = l_i != 0.0
+    inv = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), gl.SliceLayout(1, o_layout))
+    out = acc * gl.expand_dims(inv, 1)
+    cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    o_off = gl.convert_layout(o_base + row64 * so_s + head * so_h, gl.SliceLayout(1, o_layout))
+    o_ok = gl.convert_layout(ok_s, gl.SliceLayout(1, o_layout))
+    o_ptr = O + gl.expand_dims(o_off, 1) + gl.expand_dims(cols_o, 0)
+    gl.store(o_ptr, out.to(O.dtype.element_ty), mask=gl.expand_dims(o_ok, 1) & gl.expand_dims(cols_o < D, 0))
+    lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("inf"))
+    gl.store(LSE + lse_base + head * sl_h + row64 * sl_s, lse, mask=ok_s)
+
+
+@gluon.jit
+def qsa_forward_sm90_kernel(
+    Q, K, V, UNION, COUNT, ROWBITS,
+    scale_log2,
+    O, LSE,
+    sq_b, sq_s, sq_h,
+    sk_b, sk_s, sk_h,
+    sv_b, sv_s, sv_h,
+    so_b, so_s, so_h,
+    sl_b, sl_h, sl_s,
+    S_q, N_TILES, UNION_WIDTH, HKV, G,
+    PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+):
+    """``forward.py``'s ``qsa_forward_kernel`` for flat programs (same arguments, less
+    the unit D strides, the sizes it fixes and the constexprs of its other cases):
+    writes O [B,S_q,Hq,D] (input dtype) and LSE [B,Hq,S_q] (fp32, +inf for rows without
+    routes). Q [B,S_q,Hq,D], K/V [B,S_kv,Hkv,D] with unit stride along D and element
+    offsets that fit int32; UNION/ROWBITS int32 [B, N_TILES, UNION_WIDTH], COUNT int32
+    [B, N_TILES]. Grid ``(N_TILES, B * HKV)``; launch with num_warps = 8 (the
+    consumer; the producer's warps come on top)."""
+    tile = gl.program_id(0)
+    pid = gl.program_id(1)
+    b64 = (pid // HKV).to(gl.int64)
+    g = pid % HKV
+    # bases of the group's first head: the partitions add each pair's row and head
+    q_base = b64 * sq_b + (g * G).to(gl.int64) * sq_h
+    o_base = b64 * so_b + (g * G).to(gl.int64) * so_h
+    lse_base = b64 * sl_b + (g * G).to(gl.int64) * sl_h
+    union_base = (b64 * N_TILES + tile) * UNION_WIDTH
+    count = gl.load(COUNT + b64 * N_TILES + tile)
+    kv_base_k = b64 * sk_b + g * sk_h
+    kv_base_v = b64 * sv_b + g * sv_h
+
+    io_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAIRS, D], Q.dtype.element_ty)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D], K.dtype.element_ty)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [PAIRS, D], io_layout)
+    k_bufs = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_K, D], kv_layout)
+    v_bufs = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_K, D], kv_layout)
+    # ready: K of stage s, V of stage s (STAGES + s), Q (2 * STAGES); each completes on one
+    # noinc cp.async arrival per producer thread. empty: one consumer arrival per stage.
+    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 1, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * STAGES + 1):
+        mbarrier.init(ready.index(i), count=32 * PRODUCER_WARPS)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(empty.index(i), count=1)
+
+    gl.warp_specialize([
+        (_consumer, (ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2,
+                     tile, S_q, G, o_base, so_s, so_h, lse_base, sl_h, sl_s, union_base, count,
+                     PAIRS, D, BLOCK_K, STAGES)),
+        (_producer, (Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
+                     tile, S_q, G, q_base, sq_s, sq_h, kv_base_k, kv_base_v, sk_s, sv_s, union_base, count,
+                     PAIRS, D, BLOCK_K, STAGES)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])

@@ -1,0 +1,145 @@
+"""The warp-specialized Hopper forward (``qsa_triton.forward_sm90``), GPU only.
+
+Gluon kernels do not run in Triton's interpreter, so these tests need an sm_90 GPU; the
+CPU CI checks the launch description only. On the GPU: outputs against the float64
+oracle and against ``forward.py`` on the same unions, over route families, head
+configurations, both 16-bit dtypes, batch rows, an unrouted inf/NaN K/V row, and rows
+without routes; and that the default torch path takes it on Hopper.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from qsa_common.generators import adversarial_routes, family  # noqa: E402
+from qsa_common.oracle import oracle_forward_backward, relative_error  # noqa: E402
+from qsa_triton import launch as spec  # noqa: E402
+from qsa_triton.config import DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, BlockSizes  # noqa: E402
+from qsa_triton.plan import make_plan  # noqa: E402
+
+
+def _operands(shape_q, shape_kv):
+    q = (shape_q, spec.contiguous_strides(shape_q))
+    kv = (shape_kv, spec.contiguous_strides(shape_kv))
+    return q, kv
+
+
+def test_launch_scope():
+    """The Hopper launch is described for the default flat plan at D = 256 in 16-bit, with
+    the kernel's exact arguments, and refused (None) outside its scope."""
+    plan = make_plan(12, 256, DEFAULT_BLOCK_SIZES)
+    q, kv = _operands((2, 300, 24, 256), (2, 300, 2, 256))
+    n_tiles = plan.n_tiles(300)
+    launch = spec.forward_sm90_launch(plan, q, kv, kv, (2, n_tiles, 2052), 0.0625, "bfloat16")
+    assert launch is not None and launch.grid == (n_tiles, 4) and launch.num_warps == 8
+    params = dict(launch.params)
+    assert (params["PAIRS"], params["BLOCK_K"], params["D"]) == (128, 64, 256)
+    assert launch.scalars == spec.forward_launch(plan, q, kv, kv, (2, n_tiles, 2052), 0.0625, "bfloat16",
+                                                 interpreted=False).scalars
+    assert spec.forward_sm90_launch(plan, q, kv, kv, (2, n_tiles, 2052), 0.0625, "float32") is None
+    q128, kv128 = _operands((2, 300, 24, 128), (2, 300, 2, 128))
+    assert spec.forward_sm90_launch(make_plan(12, 128, DEFAULT_BLOCK_SIZES), q128, kv128, kv128,
+                                    (2, n_tiles, 2052), 0.0625, "bfloat16") is None
+    assert spec.forward_sm90_launch(make_plan(12, 256, SAFE_BLOCK_SIZES), q, kv, kv, (2, 10, 2052), 0.0625,
+                                    "bfloat16") is None
+    odd = (kv[0], (kv[1][0], kv[1][1] + 8, kv[1][2], 1))  # a row stride that breaks 16-byte copies
+    assert spec.forward_sm90_launch(plan, q, odd, kv, (2, n_tiles, 2052), 0.0625, "bfloat16") is None
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton has no Gluon: the kernel's signature cannot be read")
+    assert launch.arg_names() == tuple(spec.kernel(launch.kernel).arg_names)
+
+
+def _hopper():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from qsa_torch import _triton_launch
+
+    if not _triton_launch.hopper_forward(torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a triton with Gluon")
+
+
+def _problem(rng, routes, heads, dtype):
+    bsz, seq, _ = routes.shape
+    hq, hkv = heads
+    q = rng.standard_normal((bsz, seq, hq, 256))
+    k = rng.standard_normal((bsz, seq, hkv, 256))
+    v = rng.standard_normal((bsz, seq, hkv, 256))
+    to = lambda x: torch.from_numpy(x).to("cuda", dtype)  # noqa: E731
+    return q, k, v, to(q), to(k), to(v)
+
+
+def _run_both(tq, tk, tv, routes, scale, group, blocks=DEFAULT_BLOCK_SIZES):
+    from qsa_torch import _triton_launch as launcher
+    from qsa_torch import _triton_unions
+
+    plan = make_plan(group, 256, blocks)
+    unions = _triton_unions.build_unions(torch.from_numpy(routes).cuda(), tk.shape[1], plan)
+    arrays = dict(Q=tq, K=tk, V=tv, UNION=unions.union, COUNT=unions.count, ROWBITS=unions.rowbits)
+    ops = [(tuple(x.shape), x.stride()) for x in (tq, tk, tv)]
+    dtype = launcher.dtype_name(tq.dtype)
+    hopper = spec.forward_sm90_launch(plan, *ops, tuple(unions.union.shape), scale, dtype)
+    assert hopper is not None
+    generic = spec.forward_launch(plan, *ops, tuple(unions.union.shape), scale, dtype, interpreted=False)
+    return launcher.run(hopper, arrays, tq.device), launcher.run(generic, arrays, tq.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, dtype, kind", [
+    ((24, 2), torch.bfloat16, "qsa"), ((24, 2), torch.bfloat16, "adversarial"),
+    ((12, 1), torch.float16, "qsa"), ((12, 1), torch.bfloat16, "adversarial"), ((3, 1), torch.bfloat16, "qsa")])
+def test_matches_the_oracle_and_forward_py(heads, dtype, kind):
+    """O against the float64 oracle within the contract's 16-bit bound and LSE against
+    forward.py's, on two batch rows of 700 query rows (a partial last program), with K/V
+    row 0 unrouted and holding inf/NaN, and (adversarial) rows without routes."""
+    _hopper()
+    rng = np.random.default_rng()
+    seq = 700
+    if kind == "qsa":
+        routes = np.stack([family("qsa", width=260, top_k=64, overlap=0.8, rng=rng)(seq) for _ in range(2)])
+    else:
+        routes = np.stack([adversarial_routes(seq, width=96, rng=rng)[:seq] for _ in range(2)])
+    routes = np.where(routes == 0, -1, routes).astype(np.int32)
+    q, k, v, tq, tk, tv = _problem(rng, routes, heads, dtype)
+    tk[:, 0], tv[:, 0] = float("inf"), float("nan")
+    scale = 256 ** -0.5
+    got, generic = _run_both(tq, tk, tv, routes, scale, heads[0] // heads[1])
+    want = oracle_forward_backward(q, k, v, routes, scale, np.zeros_like(q))[0]
+    out = got["O"].double().cpu().numpy()
+    assert np.isfinite(out).all()
+    assert relative_error(out, want) < 1e-2
+    lse, ref_lse = got["LSE"].cpu(), generic["LSE"].cpu()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+    empty = ~np.any((routes >= 0), axis=2)  # [B, S]: rows without routes give 0 and LSE +inf
+    if empty.any():
+        assert np.all(out[empty] == 0)
+        assert torch.isinf(lse.transpose(1, 2)[torch.from_numpy(empty)]).all()
+
+
+@pytest.mark.gpu
+def test_default_torch_path_takes_it():
+    """``triton_sparse_gqa_attention`` on Hopper runs the sm90 forward for the default
+    configuration (its output equals the sm90 launch's bit for bit) and forward.py for
+    others (``BlockSizes()``: padded tiles), both within tolerance of each other."""
+    _hopper()
+    from qsa_torch.triton_qsa import triton_sparse_gqa_attention
+
+    rng = np.random.default_rng()
+    routes = family("qsa", width=260, top_k=64, rng=rng)(600)[None].astype(np.int32)
+    _, _, _, tq, tk, tv = _problem(rng, routes, (24, 2), torch.bfloat16)
+    troutes = torch.from_numpy(routes).cuda()
+    out = triton_sparse_gqa_attention(tq, tk, tv, troutes, 0.0625)
+    got, _ = _run_both(tq, tk, tv, routes, 0.0625, 12)
+    assert torch.equal(out, got["O"])
+    safe = triton_sparse_gqa_attention(tq, tk, tv, troutes, 0.0625, block_sizes=BlockSizes())
+    assert (safe.float() - out.float()).abs().max().item() < 2e-2
