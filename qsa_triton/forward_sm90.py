@@ -6,10 +6,11 @@ fp32 online softmax in the log2 domain), split across warps as in FlashAttention
 FlashMLA: a 4-warp producer partition gathers each chunk's K and V rows with cp.async
 into a ring of STAGES shared-memory buffers and signals an mbarrier per buffer (one
 ``cp.async.mbarrier.arrive.noinc`` per producer thread, so a barrier completes when all
-of the chunk's copies have landed); the 8-warp consumer partition (two warpgroups of 64
-matrix rows) runs the wgmma products and the softmax, and releases each buffer with one
-arrival once its products are done. Gathers of chunk j + 1 thus overlap the products of
-chunk j.
+of the chunk's copies have landed); two consumer partitions of one warpgroup each (64
+matrix rows apiece) run the wgmma products and the softmax, and release each buffer with
+one arrival each once their products are done. Gathers of chunk j + 1 thus overlap the
+products of chunk j, and the two consumers, synchronised only through the buffers, drift
+apart so that one's softmax overlaps the other's products.
 
 Scope: 16-bit inputs, D = 256 with unit stride along D, PAIRS = 128, BLOCK_K = 64, an
 unfolded grid; everything else takes ``forward.py``. Gluon kernels do not run in
@@ -29,16 +30,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 PRODUCER_WARPS = gl.constexpr(4)
-# registers per producer thread (setmaxnreg): addresses of its 16-byte copies and loop state
+# registers per thread (setmaxnreg) of the producer (the addresses of its 16-byte copies)
+# and of the second consumer warpgroup (its [64, 256] fp32 accumulator and the scores)
 PRODUCER_REGS = gl.constexpr(96)
+CONSUMER_REGS = gl.constexpr(208)
 
 
 @gluon.jit
-def _pairs(tile, S_q, G, layout: gl.constexpr, PAIRS: gl.constexpr):
-    """Per matrix row m (in ``layout``): its bit t in ``rowbits``, query row and head
-    within the group (int64, 0 where invalid) and validity (``language.pair_coordinates``,
-    flat)."""
-    m = gl.arange(0, PAIRS, layout=layout)
+def _pairs(tile, S_q, G, layout: gl.constexpr, PAIRS: gl.constexpr, FIRST: gl.constexpr, ROWS: gl.constexpr):
+    """Per matrix row m in [FIRST, FIRST + ROWS) (in ``layout``): its bit t in
+    ``rowbits``, query row and head within the group (int64, 0 where invalid) and validity
+    (``language.pair_coordinates``, flat)."""
+    m = FIRST + gl.arange(0, ROWS, layout=layout)
     pair = tile * PAIRS + m
     row = pair // G
     t = row - (tile * PAIRS) // G
@@ -65,7 +68,7 @@ def _producer(Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
     # the program's Q rows, once (rows past S_q are zero-filled)
-    _, row64, head, row_ok = _pairs(tile, S_q, G, gl.SliceLayout(1, blk), PAIRS)
+    _, row64, head, row_ok = _pairs(tile, S_q, G, gl.SliceLayout(1, blk), PAIRS, 0, PAIRS)
     q_ptr = Q + gl.expand_dims(q_base + row64 * sq_s + head * sq_h, 1) + gl.expand_dims(cols, 0)
     q_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < D, 0)
     async_copy.async_copy_global_to_shared(q_smem, q_ptr, q_mask)
@@ -88,9 +91,12 @@ def _producer(Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
 @gluon.jit
 def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2,
               tile, S_q, G, o_base, so_s, so_h, lse_base, sl_h, sl_s, union_base, count,
-              PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+              PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              HALF: gl.constexpr):
+    """Matrix rows [HALF * 64, HALF * 64 + 64) of the program, on one warpgroup."""
     nw: gl.constexpr = gl.num_warps()
-    # [PAIRS, BLOCK_K] scores and [PAIRS, D] output: each warpgroup owns 64 matrix rows
+    ROWS: gl.constexpr = PAIRS // 2
+    # [ROWS, BLOCK_K] scores and [ROWS, D] output
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
                                                        instr_shape=[16, BLOCK_K, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
@@ -98,12 +104,13 @@ def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    t_s, row64, head, ok_s = _pairs(tile, S_q, G, row_s, PAIRS)
+    t_s, row64, head, ok_s = _pairs(tile, S_q, G, row_s, PAIRS, HALF * ROWS, ROWS)
+    q_rows = q_smem.slice(HALF * ROWS, ROWS, dim=0)
     cols_k = gl.arange(0, BLOCK_K, layout=col_s)
-    m_i = gl.full([PAIRS], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.full([PAIRS], 0.0, gl.float32, layout=row_s)
-    acc = gl.zeros([PAIRS, D], gl.float32, layout=o_layout)
-    zero_s = gl.zeros([PAIRS, BLOCK_K], gl.float32, layout=s_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
+    acc = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([ROWS, BLOCK_K], gl.float32, layout=s_layout)
     mbarrier.wait(ready.index(2 * STAGES), 0)
     n_chunks = gl.cdiv(count, BLOCK_K)
     for j in range(n_chunks):
@@ -114,7 +121,7 @@ def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2,
         mbarrier.wait(ready.index(s), phase)
         fence_async_shared()  # cp.async (generic proxy) writes before wgmma (async proxy) reads
         k_buf = k_bufs.index(s)
-        scores = warpgroup_mma(q_smem, k_buf.permute([1, 0]), zero_s, use_acc=False, is_async=True)
+        scores = warpgroup_mma(q_rows, k_buf.permute([1, 0]), zero_s, use_acc=False, is_async=True)
         scores = warpgroup_mma_wait(0, deps=[scores])
         member = (((gl.expand_dims(bits, 0) >> gl.expand_dims(t_s, 1)) & 1) != 0) & gl.expand_dims(ok_s, 1)
         scores = gl.where(member, scores * scale_log2, float("-inf"))
@@ -165,8 +172,8 @@ def qsa_forward_sm90_kernel(
     writes O [B,S_q,Hq,D] (input dtype) and LSE [B,Hq,S_q] (fp32, +inf for rows without
     routes). Q [B,S_q,Hq,D], K/V [B,S_kv,Hkv,D] with unit stride along D and element
     offsets that fit int32; UNION/ROWBITS int32 [B, N_TILES, UNION_WIDTH], COUNT int32
-    [B, N_TILES]. Grid ``(N_TILES, B * HKV)``; launch with num_warps = 8 (the
-    consumer; the producer's warps come on top)."""
+    [B, N_TILES]. Grid ``(N_TILES, B * HKV)``; launch with num_warps = 4 (the first
+    consumer; the other partitions' warps come on top)."""
     tile = gl.program_id(0)
     pid = gl.program_id(1)
     b64 = (pid // HKV).to(gl.int64)
@@ -186,19 +193,20 @@ def qsa_forward_sm90_kernel(
     k_bufs = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_K, D], kv_layout)
     v_bufs = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_K, D], kv_layout)
     # ready: K of stage s, V of stage s (STAGES + s), Q (2 * STAGES); each completes on one
-    # noinc cp.async arrival per producer thread. empty: one consumer arrival per stage.
+    # noinc cp.async arrival per producer thread. empty: one arrival per consumer per stage.
     ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 1, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2 * STAGES + 1):
         mbarrier.init(ready.index(i), count=32 * PRODUCER_WARPS)
     for i in gl.static_range(STAGES):
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
 
     gl.warp_specialize([
-        (_consumer, (ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2,
-                     tile, S_q, G, o_base, so_s, so_h, lse_base, sl_h, sl_s, union_base, count,
-                     PAIRS, D, BLOCK_K, STAGES)),
+        (_consumer, (ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2, tile, S_q, G, o_base,
+                     so_s, so_h, lse_base, sl_h, sl_s, union_base, count, PAIRS, D, BLOCK_K, STAGES, 0)),
+        (_consumer, (ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2, tile, S_q, G, o_base,
+                     so_s, so_h, lse_base, sl_h, sl_s, union_base, count, PAIRS, D, BLOCK_K, STAGES, 1)),
         (_producer, (Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
                      tile, S_q, G, q_base, sq_s, sq_h, kv_base_k, kv_base_v, sk_s, sv_s, union_base, count,
                      PAIRS, D, BLOCK_K, STAGES)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

@@ -38,7 +38,7 @@ def test_launch_scope():
     q, kv = _operands((2, 300, 24, 256), (2, 300, 2, 256))
     n_tiles = plan.n_tiles(300)
     launch = spec.forward_sm90_launch(plan, q, kv, kv, (2, n_tiles, 2052), 0.0625, "bfloat16")
-    assert launch is not None and launch.grid == (n_tiles, 4) and launch.num_warps == 8
+    assert launch is not None and launch.grid == (n_tiles, 4) and launch.num_warps == 4
     params = dict(launch.params)
     assert (params["PAIRS"], params["BLOCK_K"], params["D"]) == (128, 64, 256)
     assert launch.scalars == spec.forward_launch(plan, q, kv, kv, (2, n_tiles, 2052), 0.0625, "bfloat16",
@@ -107,7 +107,7 @@ def test_matches_the_oracle_and_forward_py(heads, dtype, kind):
         routes = np.stack([family("qsa", width=260, top_k=64, overlap=0.8, rng=rng)(seq) for _ in range(2)])
     else:
         routes = np.stack([adversarial_routes(seq, width=96, rng=rng)[:seq] for _ in range(2)])
-    routes = np.where(routes == 0, -1, routes).astype(np.int32)
+    routes = np.where(routes == 0, -1, routes)  # int64: huge IDs are padding, never row 0
     q, k, v, tq, tk, tv = _problem(rng, routes, heads, dtype)
     tk[:, 0], tv[:, 0] = float("inf"), float("nan")
     scale = 256 ** -0.5
@@ -135,7 +135,7 @@ def test_default_torch_path_takes_it():
     from qsa_torch.triton_qsa import triton_sparse_gqa_attention
 
     rng = np.random.default_rng()
-    routes = family("qsa", width=260, top_k=64, rng=rng)(600)[None].astype(np.int32)
+    routes = family("qsa", width=260, top_k=64, rng=rng)(600)[None]
     _, _, _, tq, tk, tv = _problem(rng, routes, (24, 2), torch.bfloat16)
     troutes = torch.from_numpy(routes).cuda()
     out = triton_sparse_gqa_attention(tq, tk, tv, troutes, 0.0625)
