@@ -12,8 +12,12 @@ one arrival each once their products are done. Gathers of chunk j + 1 thus overl
 products of chunk j, and the two consumers, synchronised only through the buffers, drift
 apart so that one's softmax overlaps the other's products.
 
-Scope: 16-bit inputs, D = 256 with unit stride along D, PAIRS = 128, BLOCK_K = 64, an
-unfolded grid; everything else takes ``forward.py``. Gluon kernels do not run in
+Scope (``qsa_triton.launch.forward_sm90_launch``): 16-bit inputs, D = 256 with unit
+stride along D, programs of PAIRS = 128 (row, head) pairs (flat, or padded tiles of all G
+heads), BLOCK_K = 64, an unfolded grid; everything else takes ``forward.py``. Both
+kernels give the same bits (the same products in the same order), so torch's forward on
+Hopper still equals JAX's (which launches ``forward.py`` through jax-triton 0.3.1, which
+cannot launch a warp-specialized Gluon kernel). Gluon kernels do not run in
 Triton's interpreter: this one is tested on the GPU only, against ``forward.py`` and the
 float64 oracle (``tests/test_forward_sm90.py``).
 

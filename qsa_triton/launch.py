@@ -24,7 +24,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from .plan import CutStep, Plan, SortStep, fold_grid, min_backward_block_k, offsets_fit_int32
+from .plan import INT32_MAX, CutStep, Plan, SortStep, fold_grid, min_backward_block_k, offsets_fit_int32
 
 __all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES",
            "LOG2E", "FIXED_POINT_BLOCK", "fp32", "contiguous_strides", "attempts", "forward_launch",
@@ -176,14 +176,19 @@ def forward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_sh
                         scale: float, dtype: str) -> Launch | None:
     """:func:`forward_launch` for the warp-specialized Hopper kernel (``forward_sm90.py``;
     same outputs, bitwise the same unions and order of the softmax updates), or None where
-    the operands are outside its scope: a flat plan of 128 pairs and 64-ID chunks, 16-bit
-    inputs, D = 256 with unit stride along D, every other stride a multiple of 16 (the
+    the operands are outside its scope: programs of 128 (row, head) pairs (flat, or padded
+    tiles holding all G heads) and 64-ID chunks, 16-bit inputs, D = 256 with unit stride along D, every other stride a multiple of 16 (the
     16-byte copies' alignment), element offsets within int32, an unfolded grid. The
     caller checks the device (sm_90) and the base pointers' 16-byte alignment."""
     (bsz, s_q, hq, d), (_, _, hkv, _) = q[0], k[0]
     _, n_tiles, width = union_shape
-    if (dtype not in ("bfloat16", "float16") or d != 256 or not plan.flat or not plan.pairs_fit(s_q)
-            or plan.fwd_heads != SM90_FORWARD_PAIRS or plan.blocks.block_k != SM90_FORWARD_BLOCK_K):
+    # flat programs of 128 pairs, or padded tiles of all G heads x 128 / G rows: the same
+    # programs (pair p * 128 + m is row (p * 128 + m) // G, head (p * 128 + m) % G)
+    pairs = plan.fwd_heads if plan.flat else plan.rows_per_tile * plan.group
+    if not plan.flat and plan.fwd_heads != plan.group:
+        return None
+    if (dtype not in ("bfloat16", "float16") or d != 256 or pairs != SM90_FORWARD_PAIRS
+            or s_q * plan.group > INT32_MAX - pairs or plan.blocks.block_k != SM90_FORWARD_BLOCK_K):
         return None
     strides = [x[1] for x in (q, k, v)]
     if any(st[3] != 1 or any(int(x) % 16 for x in st[:3]) for st in strides):

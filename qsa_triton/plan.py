@@ -261,7 +261,7 @@ def union_recipe(plan: Plan, s_q: int, k: int, kv_length: int, batch: int = 1, *
 # The bitmap recipe scans S_kv words per group where the sort orders rows * K keys; it is
 # used while S_kv is at most this many times rows * K (the measured crossover,
 # docs/benchmarks.md "Route unions without a sort").
-BITMAP_SCAN_PER_KEY = 4
+BITMAP_SCAN_PER_KEY = 8
 
 
 def bitmap_recipe(step: SortStep, k: int, kv_length: int) -> bool:

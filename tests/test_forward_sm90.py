@@ -49,6 +49,13 @@ def test_launch_scope():
                                     (2, n_tiles, 2052), 0.0625, "bfloat16") is None
     assert spec.forward_sm90_launch(make_plan(12, 256, SAFE_BLOCK_SIZES), q, kv, kv, (2, 10, 2052), 0.0625,
                                     "bfloat16") is None
+    # padded tiles of all 8 heads x 16 rows are the same programs; 3 heads take flat 64-pair ones
+    q8, kv8 = _operands((2, 300, 8, 256), (2, 300, 1, 256))
+    assert spec.forward_sm90_launch(make_plan(8, 256, DEFAULT_BLOCK_SIZES), q8, kv8, kv8, (2, 19, 2052), 0.0625,
+                                    "bfloat16") is not None
+    q3, kv3 = _operands((2, 300, 3, 256), (2, 300, 1, 256))
+    assert spec.forward_sm90_launch(make_plan(3, 256, DEFAULT_BLOCK_SIZES), q3, kv3, kv3, (2, 15, 2052), 0.0625,
+                                    "bfloat16") is None
     odd = (kv[0], (kv[1][0], kv[1][1] + 8, kv[1][2], 1))  # a row stride that breaks 16-byte copies
     assert spec.forward_sm90_launch(plan, q, odd, kv, (2, n_tiles, 2052), 0.0625, "bfloat16") is None
     try:
@@ -95,7 +102,7 @@ def _run_both(tq, tk, tv, routes, scale, group, blocks=DEFAULT_BLOCK_SIZES):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, dtype, kind", [
     ((24, 2), torch.bfloat16, "qsa"), ((24, 2), torch.bfloat16, "adversarial"),
-    ((12, 1), torch.float16, "qsa"), ((12, 1), torch.bfloat16, "adversarial"), ((3, 1), torch.bfloat16, "qsa")])
+    ((12, 1), torch.float16, "qsa"), ((12, 1), torch.bfloat16, "adversarial"), ((8, 1), torch.bfloat16, "qsa")])
 def test_matches_the_oracle_and_forward_py(heads, dtype, kind):
     """O against the float64 oracle within the contract's 16-bit bound and LSE against
     forward.py's, on two batch rows of 700 query rows (a partial last program), with K/V

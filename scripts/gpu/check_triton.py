@@ -293,8 +293,8 @@ def sanitizer_probe() -> int:
         (make_problem("padded", "adversarial", seed=2, seq_len=40, width=10), (4, 2), 64, "float32",
          SAFE_BLOCK_SIZES, 1e-5),
         (make_problem("cp", "random", seed=3, seq_len=64, width=12), (24, 2), 256, "bfloat16", None, 1e-2),
-        # G = 6: no tile of <= 32 rows holds whole 128-pair programs, so the key kernel
-        # sorts each program's rows (flat PAIRS mode) instead of cutting tile unions
+        # G = 6: no tile of <= 32 rows holds whole 128-pair programs, so the union kernels
+        # take each program's rows (flat PAIRS mode) instead of cutting tile unions
         (make_problem("padded", "qsa", seed=4, seq_len=80, top_k=5), (6, 1), 256, "bfloat16",
          DEFAULT_BLOCK_SIZES, 1e-2),
     ]

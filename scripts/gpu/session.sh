@@ -84,11 +84,12 @@ fa4)
   ;;
 verify)
   # the kernels after CPU-only changes: timing alone first, then the GPU tests side by side
-  alone bench 190 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
-    --backends torch-dense-sdpa,triton,jax-triton --time-budget 150 --out "$R/bench"
-  alone unions 110 python3 scripts/gpu/probe_unions.py --out "$R/unions" --budget-s 90
-  beside gpu_tests 330 python3 -m pytest -q -p no:cacheprovider tests/test_triton_qsa.py tests/test_triton_deterministic.py \
-    tests/test_jax_triton.py tests/test_torch_api.py tests/test_flex_qsa.py tests/test_pallas_qsa.py
+  alone bench 190 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
+    --overlaps-at 32768=0.3,0.6,0.8,0.9 --backends torch-dense-sdpa,triton,jax-triton --time-budget 150 --out "$R/bench"
+  alone forward_sm90 110 python3 scripts/gpu/probe_forward_sm90.py --out "$R/forward_sm90" --budget-s 90
+  beside gpu_tests 330 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_triton_qsa.py \
+    tests/test_triton_deterministic.py tests/test_jax_triton.py tests/test_torch_api.py tests/test_flex_qsa.py \
+    tests/test_pallas_qsa.py
   beside sanitize_triton 240 compute-sanitizer --tool memcheck --print-limit 30 \
     python3 scripts/gpu/check_triton.py --sanitizer-probe
   beside sanitize_det 240 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer --sanitizer-timeout 220
