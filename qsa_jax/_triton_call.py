@@ -26,7 +26,7 @@ import numpy as np
 from qsa_triton import launch as spec
 from qsa_triton.plan import CutStep, SortStep, bitmap_recipe
 
-__all__ = ["JaxTritonLauncher", "jax_triton", "sorted_unions", "bitmap_unions", "step_unions", "cut_unions",
+__all__ = ["JaxTritonLauncher", "jax_triton", "install_gluon_compile", "sorted_unions", "bitmap_unions", "step_unions", "cut_unions",
            "operand"]
 
 
@@ -62,9 +62,12 @@ _CACHE_VARIABLE = "TRITON_CACHE_DIR"
 
 @dataclass(frozen=True)
 class JaxTritonLauncher:
-    """Launches through ``jax_triton.triton_call`` (compiled kernels only)."""
+    """Launches through ``jax_triton.triton_call`` (compiled kernels only); ``gluon``:
+    whether Gluon kernels (``qsa_triton.forward_sm90``) launch too
+    (:func:`install_gluon_compile`)."""
 
     interpreted: bool = False
+    gluon: bool = False
 
     def __call__(self, launch: spec.Launch, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
         jt = jax_triton()
@@ -86,10 +89,78 @@ def default_launcher() -> JaxTritonLauncher:
         NotImplementedError: ``TRITON_INTERPRET=1`` made the kernels interpreted
             functions, which jax-triton cannot compile.
     """
-    jax_triton()
+    module = jax_triton()
     if spec.interpreted():
         raise NotImplementedError("TRITON_INTERPRET=1 is set: jax-triton launches compiled kernels only")
-    return JaxTritonLauncher()
+    return JaxTritonLauncher(gluon=install_gluon_compile(module.triton_lib))
+
+
+def install_gluon_compile(triton_lib) -> bool:
+    """Let jax-triton 0.3.1 (``triton_lib``: its ``jax_triton.triton_lib``) launch Gluon
+    kernels; returns whether it can.
+
+    jax-triton 0.3.1 builds every kernel from a Triton-language source and launches it
+    with the warps it was asked for. A Gluon kernel needs Gluon's own source, and a
+    warp-specialized one launches with the warps of all its partitions
+    (``metadata.num_warps``: the default partition's ``num_warps`` plus the workers').
+    The lowering looks up ``triton_lib.get_or_create_triton_kernel`` when it runs, so
+    that function is wrapped: Gluon kernels are compiled here, with the same
+    conventions (16-byte-aligned arrays, scalars equal to 1 and metaparameters compiled
+    in), and everything else goes to jax-triton's own. False where this triton has no
+    Gluon or the function is not 0.3.1's.
+    """
+    original = getattr(triton_lib, "get_or_create_triton_kernel", None)
+    if original is None:
+        return False
+    if getattr(original, "qsa_gluon", False):
+        return True
+    try:
+        from triton.experimental.gluon._runtime import GluonJITFunction
+    except ImportError:
+        return False
+    import inspect
+
+    expected = ["backend_init_func", "platform", "fn", "arg_dtypes", "scalar_args", "num_warps", "num_stages",
+                "num_ctas", "compute_capability", "enable_fp_fusion", "metaparams", "dump"]
+    if list(inspect.signature(original).parameters) != expected:
+        return False
+    compiled = {}
+
+    @functools.wraps(original)
+    def get_or_create_triton_kernel(backend_init_func, platform, fn, arg_dtypes, scalar_args, *, num_warps,
+                                    num_stages, num_ctas, compute_capability, enable_fp_fusion, metaparams, dump):
+        if not isinstance(fn, GluonJITFunction) or platform != "cuda":
+            return original(backend_init_func, platform, fn, arg_dtypes, scalar_args, num_warps=num_warps,
+                            num_stages=num_stages, num_ctas=num_ctas, compute_capability=compute_capability,
+                            enable_fp_fusion=enable_fp_fusion, metaparams=metaparams, dump=dump)
+        calls = triton_lib.triton_kernel_call_lib
+        if compute_capability is None:
+            compute_capability = calls.get_compute_capability(0)
+        scalars = {i for i, _, _ in scalar_args}
+        attrs = {(i,): [] if i in scalars else [["tt.divisibility", 16]] for i in range(len(arg_dtypes))}
+        signature = {fn.arg_names[i]: dtype for i, dtype in enumerate(arg_dtypes)}
+        constants = dict(metaparams)
+        constants.update({fn.arg_names[i]: 1 for i, _, value in scalar_args if value == 1})
+        signature.update({name: "constexpr" for name in constants})
+        key = (fn, tuple(signature.items()), tuple(constants.items()), num_warps, num_ctas, compute_capability,
+               enable_fp_fusion)
+        if key not in compiled:
+            import triton
+            from triton.backends.compiler import GPUTarget
+            from triton.experimental.gluon._runtime import GluonASTSource
+
+            source = GluonASTSource(fn, signature, constants, {k: v for k, v in attrs.items() if v})
+            kernel = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),
+                                    options={"num_warps": num_warps, "num_ctas": num_ctas,
+                                             "enable_fp_fusion": enable_fp_fusion})
+            compiled[key] = calls.TritonKernel(kernel.metadata.name, kernel.metadata.num_warps, num_ctas,
+                                               kernel.metadata.shared, kernel.asm["ptx"], kernel.asm["ttgir"],
+                                               compute_capability)
+        return compiled[key], attrs
+
+    get_or_create_triton_kernel.qsa_gluon = True
+    triton_lib.get_or_create_triton_kernel = get_or_create_triton_kernel
+    return True
 
 
 def operand(x) -> spec.Operand:

@@ -48,10 +48,22 @@ def build_unions(routes, kv_length: int, plan: Plan, launcher=None):
     return unions if cut is None else cut_unions(unions, cut, plan.max_grid_y, launcher)
 
 
+def _forward_launch(q, k, v, union_shape, scale, plan, launcher):
+    """The forward's launch: on Hopper, with a launcher that launches Gluon kernels, the
+    warp-specialized kernel where the operands are in its scope (as ``qsa_torch`` does;
+    both kernels give the same bits), else ``forward.py``'s."""
+    dtype = jnp.dtype(q.dtype).name
+    if getattr(launcher, "gluon", False) and not launcher.interpreted and gpu_capability(q) == (9, 0):
+        launch = spec.forward_sm90_launch(plan, operand(q), operand(k), operand(v), union_shape, scale, dtype)
+        if launch is not None:
+            return launch
+    return spec.forward_launch(plan, operand(q), operand(k), operand(v), union_shape, scale, dtype,
+                               interpreted=launcher.interpreted)
+
+
 def _forward(q, k, v, routes, scale, plan, launcher):
     unions = build_unions(routes, k.shape[1], plan, launcher)
-    launch = spec.forward_launch(plan, operand(q), operand(k), operand(v), tuple(unions[0].shape), scale,
-                                 jnp.dtype(q.dtype).name, interpreted=launcher.interpreted)
+    launch = _forward_launch(q, k, v, tuple(unions[0].shape), scale, plan, launcher)
     union, count, rowbits = unions
     out = launcher(launch, dict(Q=q, K=k, V=v, UNION=union, COUNT=count, ROWBITS=rowbits))
     return out["O"], out["LSE"], unions

@@ -33,6 +33,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+# Gluon's cp.async gather: ``async_load`` (triton >= 3.7), ``async_copy_global_to_shared``
+# before (triton 3.6, which removed nothing else this kernel uses)
+_gather_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
 PRODUCER_WARPS = gl.constexpr(4)
 # registers per thread (setmaxnreg) of the producer (the addresses of its 16-byte copies)
 # and of the second consumer warpgroup (its [64, 256] fp32 accumulator and the scores)
@@ -75,7 +79,7 @@ def _producer(Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
     _, row64, head, row_ok = _pairs(tile, S_q, G, gl.SliceLayout(1, blk), PAIRS, 0, PAIRS)
     q_ptr = Q + gl.expand_dims(q_base + row64 * sq_s + head * sq_h, 1) + gl.expand_dims(cols, 0)
     q_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < D, 0)
-    async_copy.async_copy_global_to_shared(q_smem, q_ptr, q_mask)
+    _gather_to_shared(q_smem, q_ptr, q_mask)
     async_copy.mbarrier_arrive(ready.index(2 * STAGES), increment_count=False)
     rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, blk))
     n_chunks = gl.cdiv(count, BLOCK_K)
@@ -85,10 +89,10 @@ def _producer(Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
         ids = _chunk_ids(UNION, union_base, j * BLOCK_K, count, rows)
         k_ptr = K + kv_base_k + gl.expand_dims(ids * sk_s, 1) + gl.expand_dims(cols, 0)
-        async_copy.async_copy_global_to_shared(k_bufs.index(s), k_ptr)
+        _gather_to_shared(k_bufs.index(s), k_ptr)
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
         v_ptr = V + kv_base_v + gl.expand_dims(ids * sv_s, 1) + gl.expand_dims(cols, 0)
-        async_copy.async_copy_global_to_shared(v_bufs.index(s), v_ptr)
+        _gather_to_shared(v_bufs.index(s), v_ptr)
         async_copy.mbarrier_arrive(ready.index(STAGES + s), increment_count=False)
 
 

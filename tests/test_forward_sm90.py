@@ -150,3 +150,33 @@ def test_default_torch_path_takes_it():
     assert torch.equal(out, got["O"])
     safe = triton_sparse_gqa_attention(tq, tk, tv, troutes, 0.0625, block_sizes=BlockSizes())
     assert (safe.float() - out.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_jax_launches_it_through_jax_triton():
+    """qsa_jax's default launcher launches the Gluon kernel through jax-triton
+    (``install_gluon_compile``), and its forward equals torch's bit for bit (the same
+    kernel on the same unions), within the contract's bound of the float64 oracle."""
+    _hopper()
+    from qsa_jax import _triton_call
+
+    try:  # through qsa_jax's loader, which keeps Triton's cache directory
+        _triton_call.jax_triton()
+    except ImportError as err:
+        pytest.skip(f"the JAX launch needs jax-triton (and a CUDA build of jax): {err}")
+    import jax.numpy as jnp
+
+    from qsa_jax.triton_qsa import triton_sparse_gqa_attention as jax_attention
+    from qsa_torch.triton_qsa import triton_sparse_gqa_attention
+
+    assert _triton_call.default_launcher().gluon
+    rng = np.random.default_rng()
+    routes = family("qsa", width=260, top_k=64, overlap=0.6, rng=rng)(900)[None]
+    q, k, v, tq, tk, tv = _problem(rng, routes, (24, 2), torch.bfloat16)
+    want = triton_sparse_gqa_attention(tq, tk, tv, torch.from_numpy(routes).cuda(), 0.0625)
+    as_jax = lambda t: jnp.asarray(t.float().cpu().numpy()).astype(jnp.bfloat16)  # noqa: E731 - exact
+    got = jax_attention(as_jax(tq), as_jax(tk), as_jax(tv), jnp.asarray(routes.astype(np.int32)), 0.0625)
+    got = torch.from_numpy(np.asarray(got.astype(jnp.float32)))
+    assert torch.equal(got, want.float().cpu())
+    oracle = oracle_forward_backward(q, k, v, routes, 0.0625, np.zeros_like(q))[0]
+    assert relative_error(got.double().numpy(), oracle) < 1e-2

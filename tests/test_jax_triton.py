@@ -599,3 +599,87 @@ def test_kernels_compile_to_the_same_float_instructions_for_both_launchers():
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower()):
         pytest.skip(f"Triton cannot compile for sm_90a here: {proc.stderr[-300:]}")
     assert proc.returncode == 0 and proc.stdout.count("SAME") == 2, proc.stderr[-3000:]
+
+
+_GLUON_COMPILE_CHECK = """
+import json, types
+from qsa_jax import _triton_call
+from qsa_triton import launch as spec
+from qsa_triton.config import BlockSizes
+from qsa_triton.plan import make_plan
+
+seen = []
+
+def get_or_create_triton_kernel(backend_init_func, platform, fn, arg_dtypes, scalar_args, *, num_warps,
+                                num_stages, num_ctas, compute_capability, enable_fp_fusion, metaparams, dump):
+    seen.append(fn.__name__)
+    return "own", {}
+
+calls = types.SimpleNamespace(TritonKernel=lambda *args: args, get_compute_capability=lambda device: 90)
+lib = types.SimpleNamespace(get_or_create_triton_kernel=get_or_create_triton_kernel, triton_kernel_call_lib=calls)
+installed = [_triton_call.install_gluon_compile(lib), _triton_call.install_gluon_compile(lib)]
+plan = make_plan(12, 256, BlockSizes(num_stages=3, backward_block_k=64, flatten_heads=True))
+q = ((1, 256, 24, 256), spec.contiguous_strides((1, 256, 24, 256)))
+kv = ((1, 256, 2, 256), spec.contiguous_strides((1, 256, 2, 256)))
+launch = spec.forward_sm90_launch(plan, q, kv, kv, (1, 24, 2052), 0.0625, "bfloat16")
+dtypes = ["*bf16"] * 3 + ["*i32"] * 3 + ["fp32", "*bf16", "*fp32"]
+kernel, attrs = lib.get_or_create_triton_kernel(
+    None, "cuda", spec.kernel(launch.kernel), dtypes, [(6, "fp32", launch.scalars[0][1])],
+    num_warps=launch.num_warps, num_stages=launch.num_stages, num_ctas=1, compute_capability=90,
+    enable_fp_fusion=True, metaparams=dict(launch.params), dump=False)
+name, warps, ctas, shared, ptx, _, capability = kernel
+own = lib.get_or_create_triton_kernel(None, "cuda", spec.kernel("forward"), [], [], num_warps=8, num_stages=3,
+                                      num_ctas=1, compute_capability=90, enable_fp_fusion=True, metaparams={},
+                                      dump=False)
+print(json.dumps(dict(installed=installed, name=name, warps=warps, ctas=ctas, shared=shared,
+                      capability=capability, setmaxnreg="setmaxnreg" in ptx, wgmma="wgmma" in ptx,
+                      attrs={str(k[0]): v for k, v in attrs.items()}, own=own[0], seen=seen,
+                      other=_triton_call.install_gluon_compile(types.SimpleNamespace(
+                          get_or_create_triton_kernel=lambda fn, **kw: None)),
+                      missing=_triton_call.install_gluon_compile(types.SimpleNamespace()))))
+"""
+
+
+def test_gluon_kernels_compile_through_jax_triton():
+    """install_gluon_compile, on a stand-in for jax-triton 0.3.1's ``triton_lib`` (CPU
+    jaxlib has no TritonKernel) in a process without Triton's interpreter (this one may
+    have it on): the Hopper forward (a Gluon kernel) is compiled from Gluon's source for
+    sm_90 and handed over with all its partitions' warps (12: the 4 the launch asks for
+    plus the other partitions'); a Triton-language kernel still goes to jax-triton's own
+    compile; installing twice wraps once; an entry point with another signature, or none,
+    is left alone."""
+    import json
+    import subprocess
+
+    pytest.importorskip("triton.experimental.gluon", reason="this triton has no Gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", _GLUON_COMPILE_CHECK], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["installed"] == [True, True] and not got["other"] and not got["missing"]
+    assert (got["name"], got["warps"], got["ctas"], got["capability"]) == ("qsa_forward_sm90_kernel", 12, 1, 90)
+    assert 0 < got["shared"] <= spec.SM90_FORWARD_SHARED and got["setmaxnreg"] and got["wgmma"]
+    assert got["attrs"]["6"] == [] and all(got["attrs"][i] == [["tt.divisibility", 16]] for i in "0578")
+    assert got["own"] == "own" and got["seen"] == ["qsa_forward_kernel"]
+
+
+@pytest.mark.parametrize("gluon, interpreted, capability, want", [
+    (True, False, (9, 0), "forward_sm90"), (False, False, (9, 0), "forward"), (True, True, (9, 0), "forward"),
+    (True, False, (10, 0), "forward"), (True, False, None, "forward")])
+def test_forward_takes_the_hopper_kernel_where_it_launches(monkeypatch, gluon, interpreted, capability, want):
+    """qsa_jax's forward takes the warp-specialized kernel (as qsa_torch does) only with
+    a launcher that launches Gluon kernels, compiled, on an sm_90 GPU; else forward.py."""
+    @dataclass(frozen=True)
+    class Launcher:
+        gluon: bool
+        interpreted: bool
+
+    monkeypatch.setattr(jt, "gpu_capability", lambda x: capability)
+    q = jax.ShapeDtypeStruct((1, 256, 24, 256), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)
+    plan = make_plan(12, 256, jt.BlockSizes(num_stages=3, backward_block_k=64, flatten_heads=True))
+    launch = jt._forward_launch(q, kv, kv, (1, 24, 2052), 0.0625, plan, Launcher(gluon, interpreted))
+    assert launch.kernel == want
