@@ -150,9 +150,22 @@ def install_gluon_compile(triton_lib) -> bool:
             from triton.experimental.gluon._runtime import GluonASTSource
 
             source = GluonASTSource(fn, signature, constants, {k: v for k, v in attrs.items() if v})
-            kernel = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),
-                                    options={"num_warps": num_warps, "num_ctas": num_ctas,
-                                             "enable_fp_fusion": enable_fp_fusion})
+            # triton.compile needs Triton's file cache, which jax-triton 0.3.1 switches off
+            # (TRITON_CACHE_DIR="") when it is imported first: Triton's default there
+            emptied = os.environ.get(_CACHE_VARIABLE) == ""
+            if emptied:
+                del os.environ[_CACHE_VARIABLE]
+            try:
+                kernel = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),
+                                        options={"num_warps": num_warps, "num_ctas": num_ctas,
+                                                 "enable_fp_fusion": enable_fp_fusion})
+            finally:
+                if emptied:
+                    os.environ[_CACHE_VARIABLE] = ""
+            for scratch in ("global_scratch_size", "profile_scratch_size"):
+                if getattr(kernel.metadata, scratch, 0):
+                    raise NotImplementedError(f"{fn.__name__} needs a {scratch.split('_')[0]} scratch buffer, "
+                                              "which jax-triton 0.3.1 cannot pass")
             compiled[key] = calls.TritonKernel(kernel.metadata.name, kernel.metadata.num_warps, num_ctas,
                                                kernel.metadata.shared, kernel.asm["ptx"], kernel.asm["ttgir"],
                                                compute_capability)
@@ -184,7 +197,9 @@ def sorted_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y:
 
 def bitmap_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y: int, launcher):
     """:func:`sorted_unions` without the sort: the mark and compact kernels
-    (``qsa_triton.union_bitmap``), window by window (``qsa_torch``'s recipe)."""
+    (``qsa_triton.union_bitmap``), window by window (``qsa_torch``'s recipe). XLA may
+    schedule several windows' scratch at once, so torch's bound on it (the sort keys'
+    bytes) is not guaranteed here."""
     bsz, _, k = routes.shape
     groups = bsz * step.n_groups
     window = spec.bitmap_window(step, bsz, k, kv_length)

@@ -15,9 +15,8 @@ apart so that one's softmax overlaps the other's products.
 Scope (``qsa_triton.launch.forward_sm90_launch``): 16-bit inputs, D = 256 with unit
 stride along D, programs of PAIRS = 128 (row, head) pairs (flat, or padded tiles of all G
 heads), BLOCK_K = 64, an unfolded grid; everything else takes ``forward.py``. Both
-kernels give the same bits (the same products in the same order), so torch's forward on
-Hopper still equals JAX's (which launches ``forward.py`` through jax-triton 0.3.1, which
-cannot launch a warp-specialized Gluon kernel). Gluon kernels do not run in
+kernels give the same bits (the same products in the same order). torch launches it
+directly; JAX through jax-triton 0.3.1 with ``qsa_jax._triton_call.install_gluon_compile``. Gluon kernels do not run in
 Triton's interpreter: this one is tested on the GPU only, against ``forward.py`` and the
 float64 oracle (``tests/test_forward_sm90.py``).
 
@@ -178,18 +177,18 @@ def qsa_forward_sm90_kernel(
     """``forward.py``'s ``qsa_forward_kernel`` for flat programs (same arguments, less
     the unit D strides, the sizes it fixes and the constexprs of its other cases):
     writes O [B,S_q,Hq,D] (input dtype) and LSE [B,Hq,S_q] (fp32, +inf for rows without
-    routes). Q [B,S_q,Hq,D], K/V [B,S_kv,Hkv,D] with unit stride along D and element
-    offsets that fit int32; UNION/ROWBITS int32 [B, N_TILES, UNION_WIDTH], COUNT int32
+    routes). Q [B,S_q,Hq,D], K/V [B,S_kv,Hkv,D] with unit stride along D and row offsets
+    (ID * row stride) that fit int32 (batch and head offsets are int64); UNION/ROWBITS int32 [B, N_TILES, UNION_WIDTH], COUNT int32
     [B, N_TILES]. Grid ``(N_TILES, B * HKV)``; launch with num_warps = 4 (the first
     consumer; the other partitions' warps come on top)."""
     tile = gl.program_id(0)
     pid = gl.program_id(1)
     b64 = (pid // HKV).to(gl.int64)
-    g = pid % HKV
+    g = (pid % HKV).to(gl.int64)  # int64: a head stride times the head can pass int32
     # bases of the group's first head: the partitions add each pair's row and head
-    q_base = b64 * sq_b + (g * G).to(gl.int64) * sq_h
-    o_base = b64 * so_b + (g * G).to(gl.int64) * so_h
-    lse_base = b64 * sl_b + (g * G).to(gl.int64) * sl_h
+    q_base = b64 * sq_b + g * G * sq_h
+    o_base = b64 * so_b + g * G * so_h
+    lse_base = b64 * sl_b + g * G * sl_h
     union_base = (b64 * N_TILES + tile) * UNION_WIDTH
     count = gl.load(COUNT + b64 * N_TILES + tile)
     kv_base_k = b64 * sk_b + g * sk_h

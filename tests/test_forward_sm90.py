@@ -56,6 +56,9 @@ def test_launch_scope():
     q3, kv3 = _operands((2, 300, 3, 256), (2, 300, 1, 256))
     assert spec.forward_sm90_launch(make_plan(3, 256, DEFAULT_BLOCK_SIZES), q3, kv3, kv3, (2, 15, 2052), 0.0625,
                                     "bfloat16") is None
+    head_major = (kv[0], (300 * 2 * 256, 256, 300 * 256, 1))  # [B, Hkv, S, D] memory: in scope
+    assert spec.forward_sm90_launch(plan, q, head_major, head_major, (2, n_tiles, 2052), 0.0625,
+                                    "bfloat16") is not None
     odd = (kv[0], (kv[1][0], kv[1][1] + 8, kv[1][2], 1))  # a row stride that breaks 16-byte copies
     assert spec.forward_sm90_launch(plan, q, odd, kv, (2, n_tiles, 2052), 0.0625, "bfloat16") is None
     try:
@@ -104,9 +107,10 @@ def _run_both(tq, tk, tv, routes, scale, group, blocks=DEFAULT_BLOCK_SIZES):
     ((24, 2), torch.bfloat16, "qsa"), ((24, 2), torch.bfloat16, "adversarial"),
     ((12, 1), torch.float16, "qsa"), ((12, 1), torch.bfloat16, "adversarial"), ((8, 1), torch.bfloat16, "qsa")])
 def test_matches_the_oracle_and_forward_py(heads, dtype, kind):
-    """O against the float64 oracle within the contract's 16-bit bound and LSE against
-    forward.py's, on two batch rows of 700 query rows (a partial last program), with K/V
-    row 0 unrouted and holding inf/NaN, and (adversarial) rows without routes."""
+    """O against the float64 oracle within the contract's 16-bit bound, O and LSE equal to
+    forward.py's bit for bit, on two batch rows of 700 query rows (a partial last
+    program), with K/V row 0 unrouted and holding inf/NaN, and (adversarial) rows without
+    routes (O exactly 0, LSE +inf)."""
     _hopper()
     rng = np.random.default_rng()
     seq = 700
@@ -123,40 +127,49 @@ def test_matches_the_oracle_and_forward_py(heads, dtype, kind):
     out = got["O"].double().cpu().numpy()
     assert np.isfinite(out).all()
     assert relative_error(out, want) < 1e-2
-    lse, ref_lse = got["LSE"].cpu(), generic["LSE"].cpu()
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
-    finite = torch.isfinite(ref_lse)
-    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
-    empty = ~np.any((routes >= 0), axis=2)  # [B, S]: rows without routes give 0 and LSE +inf
-    if empty.any():
-        assert np.all(out[empty] == 0)
-        assert torch.isinf(lse.transpose(1, 2)[torch.from_numpy(empty)]).all()
+    # the same products in the same order as forward.py: the same bits
+    assert torch.equal(got["O"], generic["O"]) and torch.equal(got["LSE"], generic["LSE"])
+    lse = got["LSE"].cpu()
+    empty = ~((routes >= 0) & (routes < seq)).any(axis=2)  # [B, S]: rows without routes: 0 and LSE +inf
+    if kind == "adversarial":
+        assert empty.any(), "adversarial routes make some rows empty"
+    assert np.all(out[empty] == 0)
+    assert torch.isinf(lse.transpose(1, 2)[torch.from_numpy(empty)]).all()
 
 
 @pytest.mark.gpu
-def test_default_torch_path_takes_it():
-    """``triton_sparse_gqa_attention`` on Hopper runs the sm90 forward for the default
+def test_default_torch_path_takes_it(monkeypatch):
+    """``triton_sparse_gqa_attention`` on Hopper launches the sm90 forward for the default
     configuration (its output equals the sm90 launch's bit for bit) and forward.py for
-    others (``BlockSizes()``: padded tiles), both within tolerance of each other."""
+    others (``BlockSizes()``: padded tiles of 2 heads), both within tolerance of each other."""
     _hopper()
+    from qsa_torch import _triton_launch
     from qsa_torch.triton_qsa import triton_sparse_gqa_attention
+
+    launched = []
+    run = _triton_launch.run
+    monkeypatch.setattr(_triton_launch, "run", lambda launch, *a: launched.append(launch.kernel) or run(launch, *a))
 
     rng = np.random.default_rng()
     routes = family("qsa", width=260, top_k=64, rng=rng)(600)[None]
     _, _, _, tq, tk, tv = _problem(rng, routes, (24, 2), torch.bfloat16)
     troutes = torch.from_numpy(routes).cuda()
     out = triton_sparse_gqa_attention(tq, tk, tv, troutes, 0.0625)
+    assert "forward_sm90" in launched and "forward" not in launched, launched
     got, _ = _run_both(tq, tk, tv, routes, 0.0625, 12)
     assert torch.equal(out, got["O"])
+    launched.clear()
     safe = triton_sparse_gqa_attention(tq, tk, tv, troutes, 0.0625, block_sizes=BlockSizes())
+    assert "forward" in launched and "forward_sm90" not in launched, launched
     assert (safe.float() - out.float()).abs().max().item() < 2e-2
 
 
 @pytest.mark.gpu
-def test_jax_launches_it_through_jax_triton():
+def test_jax_launches_it_through_jax_triton(monkeypatch):
     """qsa_jax's default launcher launches the Gluon kernel through jax-triton
-    (``install_gluon_compile``), and its forward equals torch's bit for bit (the same
-    kernel on the same unions), within the contract's bound of the float64 oracle."""
+    (``install_gluon_compile``; the launch it picks is recorded), and its forward equals
+    torch's bit for bit (the same kernel on the same unions), within the contract's bound
+    of the float64 oracle."""
     _hopper()
     from qsa_jax import _triton_call
 
@@ -169,7 +182,12 @@ def test_jax_launches_it_through_jax_triton():
     from qsa_jax.triton_qsa import triton_sparse_gqa_attention as jax_attention
     from qsa_torch.triton_qsa import triton_sparse_gqa_attention
 
+    from qsa_jax import triton_qsa
+
     assert _triton_call.default_launcher().gluon
+    chosen = []
+    pick = triton_qsa._forward_launch
+    monkeypatch.setattr(triton_qsa, "_forward_launch", lambda *a: chosen.append(pick(*a).kernel) or pick(*a))
     rng = np.random.default_rng()
     routes = family("qsa", width=260, top_k=64, overlap=0.6, rng=rng)(900)[None]
     q, k, v, tq, tk, tv = _problem(rng, routes, (24, 2), torch.bfloat16)
@@ -177,6 +195,21 @@ def test_jax_launches_it_through_jax_triton():
     as_jax = lambda t: jnp.asarray(t.float().cpu().numpy()).astype(jnp.bfloat16)  # noqa: E731 - exact
     got = jax_attention(as_jax(tq), as_jax(tk), as_jax(tv), jnp.asarray(routes.astype(np.int32)), 0.0625)
     got = torch.from_numpy(np.asarray(got.astype(jnp.float32)))
+    assert chosen == ["forward_sm90"], chosen  # traced once here (a shape no other test uses)
     assert torch.equal(got, want.float().cpu())
     oracle = oracle_forward_backward(q, k, v, routes, 0.0625, np.zeros_like(q))[0]
     assert relative_error(got.double().numpy(), oracle) < 1e-2
+
+
+@pytest.mark.gpu
+def test_head_major_kv():
+    """K/V laid out [B, Hkv, S_kv, D] and viewed as [B, S_kv, Hkv, D] (head stride S_kv * D,
+    row stride D: in scope, the head offset taken in int64): the same bits as forward.py."""
+    _hopper()
+    rng = np.random.default_rng()
+    routes = family("qsa", width=260, top_k=64, rng=rng)(500)[None]
+    _, _, _, tq, tk, tv = _problem(rng, routes, (24, 2), torch.bfloat16)
+    tk, tv = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (tk, tv))
+    assert tk.stride()[2] == 500 * 256
+    got, generic = _run_both(tq, tk, tv, routes, 0.0625, 12)
+    assert torch.equal(got["O"], generic["O"]) and torch.equal(got["LSE"], generic["LSE"])

@@ -647,7 +647,7 @@ def test_gluon_kernels_compile_through_jax_triton():
     sm_90 and handed over with all its partitions' warps (12: the 4 the launch asks for
     plus the other partitions'); a Triton-language kernel still goes to jax-triton's own
     compile; installing twice wraps once; an entry point with another signature, or none,
-    is left alone."""
+    is left alone; the same with Triton's file cache switched off (TRITON_CACHE_DIR="")."""
     import json
     import subprocess
 
@@ -659,6 +659,11 @@ def test_gluon_kernels_compile_through_jax_triton():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
+    # with Triton's file cache switched off (what importing jax-triton 0.3.1 first does)
+    off = subprocess.run([sys.executable, "-c", _GLUON_COMPILE_CHECK], capture_output=True, text=True,
+                         env=dict(env, TRITON_CACHE_DIR=""), timeout=300)
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert json.loads(off.stdout.strip().splitlines()[-1]) == got
     assert got["installed"] == [True, True] and not got["other"] and not got["missing"]
     assert (got["name"], got["warps"], got["ctas"], got["capability"]) == ("qsa_forward_sm90_kernel", 12, 1, 90)
     assert 0 < got["shared"] <= spec.SM90_FORWARD_SHARED and got["setmaxnreg"] and got["wgmma"]
