@@ -184,15 +184,16 @@ def qsa_forward_sm90_kernel(
     tile = gl.program_id(0)
     pid = gl.program_id(1)
     b64 = (pid // HKV).to(gl.int64)
-    g = (pid % HKV).to(gl.int64)  # int64: a head stride times the head can pass int32
-    # bases of the group's first head: the partitions add each pair's row and head
-    q_base = b64 * sq_b + g * G * sq_h
-    o_base = b64 * so_b + g * G * so_h
-    lse_base = b64 * sl_b + g * G * sl_h
+    g = pid % HKV
+    # bases of the group's first head (int64: a head stride times the head can pass
+    # int32); the partitions add each pair's row and head
+    q_base = b64 * sq_b + (g * G).to(gl.int64) * sq_h
+    o_base = b64 * so_b + (g * G).to(gl.int64) * so_h
+    lse_base = b64 * sl_b + (g * G).to(gl.int64) * sl_h
     union_base = (b64 * N_TILES + tile) * UNION_WIDTH
     count = gl.load(COUNT + b64 * N_TILES + tile)
-    kv_base_k = b64 * sk_b + g * sk_h
-    kv_base_v = b64 * sv_b + g * sv_h
+    kv_base_k = b64 * sk_b + g.to(gl.int64) * sk_h
+    kv_base_v = b64 * sv_b + g.to(gl.int64) * sv_h
 
     io_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAIRS, D], Q.dtype.element_ty)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D], K.dtype.element_ty)
