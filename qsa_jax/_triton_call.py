@@ -26,8 +26,8 @@ import numpy as np
 from qsa_triton import launch as spec
 from qsa_triton.plan import CutStep, SortStep, bitmap_recipe
 
-__all__ = ["JaxTritonLauncher", "jax_triton", "install_gluon_compile", "sorted_unions", "bitmap_unions", "step_unions", "cut_unions",
-           "operand"]
+__all__ = ["JaxTritonLauncher", "jax_triton", "install_gluon_compile", "sorted_unions", "bitmap_unions",
+           "step_unions", "cut_unions", "operand"]
 
 
 def jax_triton():

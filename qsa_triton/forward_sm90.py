@@ -178,9 +178,9 @@ def qsa_forward_sm90_kernel(
     the unit D strides, the sizes it fixes and the constexprs of its other cases):
     writes O [B,S_q,Hq,D] (input dtype) and LSE [B,Hq,S_q] (fp32, +inf for rows without
     routes). Q [B,S_q,Hq,D], K/V [B,S_kv,Hkv,D] with unit stride along D and row offsets
-    (ID * row stride) that fit int32 (batch and head offsets are int64); UNION/ROWBITS int32 [B, N_TILES, UNION_WIDTH], COUNT int32
-    [B, N_TILES]. Grid ``(N_TILES, B * HKV)``; launch with num_warps = 4 (the first
-    consumer; the other partitions' warps come on top)."""
+    (ID * row stride) that fit int32 (batch and head offsets are int64); UNION/ROWBITS
+    int32 [B, N_TILES, UNION_WIDTH], COUNT int32 [B, N_TILES]. Grid ``(N_TILES, B * HKV)``;
+    launch with num_warps = 4 (the first consumer; the other partitions' warps come on top)."""
     tile = gl.program_id(0)
     pid = gl.program_id(1)
     b64 = (pid // HKV).to(gl.int64)

@@ -29,7 +29,8 @@ from .plan import INT32_MAX, CutStep, Plan, SortStep, fold_grid, min_backward_bl
 __all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES",
            "LOG2E", "FIXED_POINT_BLOCK", "fp32", "contiguous_strides", "attempts", "forward_launch",
            "backward_launch", "forward_sm90_launch", "SM90_FORWARD_SHARED", "fixed_point_bounds",
-           "fixed_point_launch", "keys_launch", "merge_launch", "bitmap_window", "mark_launch", "compact_launch", "cut_launch", "kernel", "interpreted", "interprets"]
+           "fixed_point_launch", "keys_launch", "merge_launch", "bitmap_window", "mark_launch", "compact_launch",
+           "cut_launch", "kernel", "interpreted", "interprets"]
 
 LOG2E = 1.4426950408889634
 UNION_BLOCK = 1024  # keys (IDs) per step of the union kernels
@@ -177,9 +178,10 @@ def forward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_sh
     """:func:`forward_launch` for the warp-specialized Hopper kernel (``forward_sm90.py``;
     same outputs, bitwise the same unions and order of the softmax updates), or None where
     the operands are outside its scope: programs of 128 (row, head) pairs (flat, or padded
-    tiles holding all G heads) and 64-ID chunks, 16-bit inputs, D = 256 with unit stride along D, every other stride a multiple of 16 (the
-    16-byte copies' alignment), element offsets within int32, an unfolded grid. The
-    caller checks the device (sm_90) and the base pointers' 16-byte alignment."""
+    tiles holding all G heads) and 64-ID chunks, 16-bit inputs, D = 256 with unit stride
+    along D, every other stride a multiple of 16 (the 16-byte copies' alignment), K/V row
+    offsets within int32, an unfolded grid. The caller checks the device (sm_90) and the
+    base pointers' 16-byte alignment."""
     (bsz, s_q, hq, d), (_, _, hkv, _) = q[0], k[0]
     _, n_tiles, width = union_shape
     # flat programs of 128 pairs, or padded tiles of all G heads x 128 / G rows: the same

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                                       interpreted=False)
         return (lambda: launcher.run(hopper, arrays, device)), (lambda: launcher.run(generic, arrays, device))
 
-    def check(name, heads, dtype, routes_kind, seed):
+    def check(heads, dtype, routes_kind, seed):
         rng = np.random.default_rng(seed)
         bsz, seq, d = 2, 700, 256
         hq, hkv = heads
@@ -67,7 +67,8 @@ def main(argv=None) -> int:
         else:
             routes = np.stack([adversarial_routes(seq, width=96, rng=rng)[:seq] for _ in range(bsz)])
         routes[routes == 0] = 1  # nobody routes to K/V row 0
-        x = {n: rng.standard_normal((bsz, seq, h, d)).astype(np.float32) for n, h in (("q", hq), ("k", hkv), ("v", hkv))}
+        x = {n: rng.standard_normal((bsz, seq, h, d)).astype(np.float32)
+             for n, h in (("q", hq), ("k", hkv), ("v", hkv))}
         tq, tk, tv = (torch.from_numpy(x[n]).to(device, dtype) for n in ("q", "k", "v"))
         tk[:, 0], tv[:, 0] = float("inf"), float("nan")
         troutes = torch.from_numpy(routes).to(device)  # int64: huge IDs stay padding
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
                                            ("24x2-bf16-adversarial", (24, 2), torch.bfloat16, "adversarial", 2),
                                            ("12x1-fp16-qsa", (12, 1), torch.float16, "qsa", 3),
                                            ("12x1-bf16-adversarial", (12, 1), torch.bfloat16, "adversarial", 4)):
-        record.run("correctness", name, lambda: check(name, heads, dtype, kind, seed))
+        record.run("correctness", name, lambda: check(heads, dtype, kind, seed))
 
     for seq in args.seq_lens:
         for overlap in args.overlaps:
