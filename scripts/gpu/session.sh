@@ -14,6 +14,9 @@
 #   the backward's dK/dV atomics' cost (warm):    bash scripts/gpu/session.sh atomics
 #   a kernel change, in one call (carry .whl):    bash scripts/gpu/session.sh spot
 #   Nsight Compute of both kernels (warm):        bash scripts/gpu/session.sh profile
+#   main's whole GPU check, no timing (carry .whl): bash scripts/gpu/session.sh complete
+#   the side-by-side timing, both head configs (carry .whl): bash scripts/gpu/session.sh final
+#   torch's host time per step, S=8192 beside dense (carry .whl): bash scripts/gpu/session.sh host
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -22,7 +25,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -129,6 +132,36 @@ profile)
     --kernel-name regex:"qsa_(forward|backward)_kernel" -o "$R/prof" python3 scripts/gpu/profile_kernels.py
   alone details 60 ncu --import "$R/prof.ncu-rep" --page details
   alone source 120 bash -c "ncu --import '$R/prof.ncu-rep' --page source --csv --print-source sass | gzip > '$R/source.csv.gz'"
+  ;;
+complete)
+  # no timing: the whole parity matrix of both frameworks' default CUDA path (every layout, both
+  # head configurations) with the budget it needs, beside the GPU tests and memcheck
+  beside parity 560 python3 scripts/gpu/run_parity_and_bench.py --out "$R/parity" --skip-bench --skip-api \
+    --budget 530 --parity-args "--backends triton,jax-triton"
+  beside gpu_tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_triton_qsa.py \
+    tests/test_triton_deterministic.py tests/test_jax_triton.py tests/test_torch_api.py
+  beside sanitize_triton 300 compute-sanitizer --tool memcheck --print-limit 30 \
+    python3 scripts/gpu/check_triton.py --sanitizer-probe
+  beside sanitize_jax 300 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton \
+    --timeout-s 290
+  wait
+  ;;
+final)
+  # timing only, each step alone: (24,2) across S and overlap, (12,1), the Hopper forward's probe
+  alone bench 200 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
+    --overlaps-at 32768=0.3,0.6,0.8,0.9 --backends torch-dense-sdpa,triton,jax-triton --time-budget 160 --out "$R/bench"
+  alone bench_12x1 120 python3 -m parity.bench --heads 12:1 --seq-lens 8192 --overlaps 0.8 \
+    --overlaps-at 32768=0.3,0.8 --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench_12x1"
+  alone forward_sm90 110 python3 scripts/gpu/probe_forward_sm90.py --out "$R/forward_sm90" --budget-s 90
+  ;;
+host)
+  # torch's host time per step (launch gaps are GPU idle at small S), then S=8192 timing, both
+  # head configurations, beside dense; then the tests of the launch path
+  alone host 60 python3 scripts/gpu/host_overhead.py --steps 30
+  alone bench 130 python3 -m parity.bench --heads 24:2,12:1 --seq-lens 8192 --overlaps 0.8 \
+    --backends torch-dense-sdpa,triton,jax-triton --time-budget 100 --out "$R/bench"
+  alone gpu_tests 280 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_triton_qsa.py \
+    tests/test_torch_api.py
   ;;
 recheck)
   # after fixes to what the three calls above found: the pieces that changed, in one call
