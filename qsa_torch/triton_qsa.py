@@ -31,8 +31,6 @@ Module layout: this module is the public API; ``_triton_unions`` builds the unio
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from qsa_triton.config import DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, BlockSizes
@@ -68,19 +66,11 @@ def default_block_sizes(device: torch.device, head_dim: int, dtype: torch.dtype)
     """The launch configuration used when ``block_sizes`` is None: the row of
     ``qsa_triton.config.default_block_sizes`` for ``device`` (its compute capability and
     the shared memory a block may opt into), ``head_dim`` and ``dtype``."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    capability, shared_memory = _device_limits(device)
+    capability, shared_memory = None, None
+    if device.type == "cuda":
+        capability = tuple(torch.cuda.get_device_capability(device))
+        shared_memory = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
     return _table(capability, head_dim, _triton_launch.dtype_name(dtype), shared_memory)
-
-
-@functools.cache
-def _device_limits(device: torch.device) -> tuple[tuple[int, int] | None, int | None]:
-    """(compute capability, shared memory a block may opt into) of a CUDA ``device``; Nones elsewhere."""
-    if device.type != "cuda":
-        return None, None
-    props = torch.cuda.get_device_properties(device)
-    return tuple(torch.cuda.get_device_capability(device)), getattr(props, "shared_memory_per_block_optin", None)
 
 
 def _default_plan(query: torch.Tensor, key: torch.Tensor) -> Plan:

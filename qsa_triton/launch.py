@@ -12,15 +12,11 @@ forward outputs across frameworks.
 
 Strides are per-element integers; the torch launcher hands the tensors' own (any
 strides), the JAX launcher row-major ones. Pure Python apart from :func:`kernel`, which
-imports triton and the kernels. The builders are pure functions of hashable arguments and
-their :class:`Launch` is immutable, so each keeps the launches of recent calls
-(``functools.lru_cache``): an eager torch step rebuilds none of them on the host while
-the GPU waits.
+imports triton and the kernels.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -43,10 +39,6 @@ UNION_WARPS, UNION_STAGES = 4, 3
 FIXED_POINT_BLOCK = 1024  # elements per program of the fixed-point conversion
 
 Operand = tuple[tuple[int, ...], tuple[int, ...]]  # (shape, per-element strides)
-
-
-# the launches of recent calls per builder (shapes, strides, plan, scale, dtype, ...)
-_cached = functools.lru_cache(maxsize=256)
 
 
 def fp32(x: float) -> float:
@@ -155,7 +147,6 @@ def _kv_extents(*operands: Operand):
     return [(shape[1], strides[1], shape[3], strides[3]) for shape, strides in operands]
 
 
-@_cached
 def forward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: tuple[int, int, int],
                    scale: float, dtype: str, *, interpreted: bool, attempt: Attempt | None = None) -> Launch:
     """The forward kernel over unions of shape ``union_shape`` = ``[B, n_tiles, width]``
@@ -182,7 +173,6 @@ SM90_FORWARD_PAIRS, SM90_FORWARD_BLOCK_K, SM90_FORWARD_STAGES, SM90_FORWARD_WARP
 SM90_FORWARD_SHARED = 196936
 
 
-@_cached
 def forward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: tuple[int, int, int],
                         scale: float, dtype: str) -> Launch | None:
     """:func:`forward_launch` for the warp-specialized Hopper kernel (``forward_sm90.py``;
@@ -221,7 +211,6 @@ def forward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_sh
         tuple(params), SM90_FORWARD_WARPS, 1)
 
 
-@_cached
 def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
                     union_shape: tuple[int, int, int], scale: float, dtype: str, *, interpreted: bool,
                     attempt: Attempt | None = None, deterministic: bool = False) -> Launch:
@@ -284,7 +273,6 @@ def fixed_point_bounds(scale: float, n_pairs: int, head_dim: int) -> tuple[int, 
     return _ceil_log2(Fraction(scale32) * 2 * n_pairs * head_dim), _ceil_log2(Fraction(n_pairs))
 
 
-@_cached
 def fixed_point_launch(kv_shape: tuple[int, ...], dtype: str, scale: float, n_pairs: int, *,
                        interpreted: bool) -> Launch:
     """The conversion of the deterministic backward's int64 sums DK_FIXED / DV_FIXED (as
@@ -302,7 +290,6 @@ def fixed_point_launch(kv_shape: tuple[int, ...], dtype: str, scale: float, n_pa
 
 
 # ------------------------------------------------------------------------ unions
-@_cached
 def keys_launch(step: SortStep, routes: Operand, kv_length: int, max_grid_y: int) -> Launch:
     """Sort keys of ``step``'s groups from routes ``[B, S_q, K]``: KEYS flat, in the key
     dtype, ``rows * K`` per group (group = batch row * n_groups + group)."""
@@ -320,7 +307,6 @@ def keys_launch(step: SortStep, routes: Operand, kv_length: int, max_grid_y: int
                   tuple(params), UNION_WARPS, UNION_STAGES)
 
 
-@_cached
 def merge_launch(step: SortStep, batch: int, k: int, *, interpreted: bool) -> Launch:
     """Unions from the sorted keys: UNION / ROWBITS int32 ``[B, n_groups, width]``, COUNT
     int32 ``[B, n_groups]``."""
@@ -343,7 +329,6 @@ def bitmap_window(step: SortStep, batch: int, k: int, kv_length: int) -> int:
     return max(1, min(groups, (groups * step.rows * k) // kv_length))
 
 
-@_cached
 def mark_launch(step: SortStep, routes: Operand, kv_length: int, first_group: int, n_window: int,
                 max_grid_y: int) -> Launch:
     """Bitmap marks of groups ``[first_group, first_group + n_window)`` (group = batch row *
@@ -359,7 +344,6 @@ def mark_launch(step: SortStep, routes: Operand, kv_length: int, first_group: in
                   tuple(params), UNION_WARPS, UNION_STAGES)
 
 
-@_cached
 def compact_launch(step: SortStep, kv_length: int, n_window: int, *, interpreted: bool) -> Launch:
     """Unions of a window's groups from the mark kernel's BITS: UNION / ROWBITS int32
     ``[n_window, width]`` and COUNT int32 ``[n_window]``, written in full."""
@@ -371,7 +355,6 @@ def compact_launch(step: SortStep, kv_length: int, n_window: int, *, interpreted
                   UNION_WARPS, UNION_STAGES)
 
 
-@_cached
 def cut_launch(step: CutStep, parent_shape: tuple[int, int, int], max_grid_y: int, *,
                interpreted: bool) -> Launch:
     """Sub-unions of parents ``[B, n_tiles, width]``: SUB_UNION / SUB_ROWBITS int32

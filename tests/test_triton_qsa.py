@@ -665,13 +665,9 @@ def test_default_plans(group, rows, fwd_heads, bwd_rows, bwd_heads):
     ((9, 0), None, 256, torch.bfloat16, True),  # a torch without the property: capability decides
     ((12, 0), None, 256, torch.bfloat16, False),
 ])
-def test_default_block_sizes_follow_the_device(monkeypatch, request, capability, shared_memory, head_dim, dtype,
-                                              tuned):
+def test_default_block_sizes_follow_the_device(monkeypatch, capability, shared_memory, head_dim, dtype, tuned):
     from types import SimpleNamespace
 
-    # the device's limits are read once per device: forget them before and after the fakes
-    triton_qsa._device_limits.cache_clear()
-    request.addfinalizer(triton_qsa._device_limits.cache_clear)
     props = SimpleNamespace() if shared_memory is None else SimpleNamespace(
         shared_memory_per_block_optin=shared_memory)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
