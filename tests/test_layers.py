@@ -256,12 +256,14 @@ def test_toy_training_loss_goes_down_and_the_indexer_stays_frozen():
     seed = int(np.random.default_rng().integers(2**31))
     before = toy.ToyModel(rngs=__import__("flax").nnx.Rngs(seed))
     frozen = [np.asarray(v) for v in jax.tree.leaves(before.block1.attn.indexer)]
-    losses, model = toy.train(steps=40, seed=seed, return_model=True)
+    # 80 steps: at 40 the drop over a fresh seed came out under 0.3 in two of many runs
+    # (the seed was not recorded then; it is in every message now)
+    losses, model = toy.train(steps=80, seed=seed, return_model=True)
     first, last = np.mean(losses[:3]), np.mean(losses[-5:])
-    assert np.all(np.isfinite(losses))
-    assert last < first - 0.3, losses
+    assert np.all(np.isfinite(losses)), (seed, losses)
+    assert last < first - 0.3, (seed, losses)
     # below the unigram entropy: the model copies through its routed attention
-    assert last < math.log(toy.VOCAB), losses
+    assert last < math.log(toy.VOCAB), (seed, losses)
     after = [np.asarray(v) for v in jax.tree.leaves(model.block1.attn.indexer)]
     assert all(np.array_equal(a, b) for a, b in zip(frozen, after)), "adamw left the frozen indexer alone"
     assert not np.array_equal(np.asarray(before.block1.attn.q_proj.kernel[...]),
