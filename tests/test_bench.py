@@ -361,3 +361,32 @@ def test_profile_kernels_dry_run():
                           timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "relative errors against the float64 reference" in done.stdout
+
+
+def test_trace_step_finds_the_gpu_idle_time_between_launches():
+    """scripts/gpu/trace_step.py's reading of a Chrome trace: kernels are matched to their
+    launches (runtime or driver API) by correlation, and a step's idle time is its kernel
+    span minus their durations. A synthetic trace with known gaps; a kernel launched
+    outside the step is not counted."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu"))
+    import trace_step
+
+    def x(name, cat, ts, dur, corr=None):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur,
+                "args": {} if corr is None else {"correlation": corr}}
+
+    events = [x("step", "user_annotation", 1000, 500),
+              x("cudaLaunchKernel", "cuda_runtime", 1100, 5, 1), x("fill", "kernel", 1110, 10, 1),
+              x("cuLaunchKernelEx", "cuda_driver", 1300, 5, 2), x("union_mark_kernel", "kernel", 1310, 40, 2),
+              x("cuLaunchKernelEx", "cuda_driver", 1400, 5, 3), x("qsa_forward", "kernel", 1410, 2000, 3),
+              # launched inside the step, run after it: counted
+              x("cuLaunchKernelEx", "cuda_driver", 1450, 5, 4), x("qsa_backward", "kernel", 3411, 3000, 4),
+              x("cuLaunchKernelEx", "cuda_driver", 9000, 5, 5), x("later", "kernel", 9010, 100, 5)]
+    rng = np.random.default_rng()
+    order = rng.permutation(len(events))  # the parser may not rely on the trace's order
+    (step,) = trace_step._steps({"traceEvents": [events[i] for i in order]}, 4)
+    assert [k[0] for k in step["kernels"]] == ["fill", "union_mark_kernel", "qsa_forward", "qsa_backward"]
+    assert step["kernel_ms"] == pytest.approx(5.05)
+    assert step["span_ms"] == pytest.approx((6411 - 1110) / 1e3)
+    assert step["idle_ms"] == pytest.approx((6411 - 1110 - 5050) / 1e3)
+    assert step["host_to_first_launch_ms"] == pytest.approx(0.1)
