@@ -129,7 +129,7 @@ profile)
   # one step's forward and backward kernels under Nsight Compute (full set, SASS-level stall
   # samples); the report's text pages come back, the .ncu-rep too
   alone ncu 240 ncu --profile-from-start off --set full --import-source yes \
-    --kernel-name regex:"qsa_(forward|backward)_kernel" -o "$R/prof" python3 scripts/gpu/profile_kernels.py
+    --kernel-name regex:"qsa_(forward|backward)(_sm90)?_kernel" -o "$R/prof" python3 scripts/gpu/profile_kernels.py
   alone details 60 ncu --import "$R/prof.ncu-rep" --page details
   alone source 120 bash -c "ncu --import '$R/prof.ncu-rep' --page source --csv --print-source sass | gzip > '$R/source.csv.gz'"
   ;;
