@@ -127,6 +127,15 @@ class ProbeShape:
         k, v = (torch.randn(shape_kv, generator=gen, device=self.device, dtype=torch.bfloat16) for _ in range(2))
         return q, k, v, do
 
+    def routes(self, overlap: float):
+        """The benchmark's QSA-format routes (``python -m parity.bench``, seed 0) at ``overlap``:
+        int ``[1, seq_len, width]`` on the shape's device."""
+        import torch
+
+        from parity.bench_routes import _make_routes, overlap_label
+
+        return torch.from_numpy(_make_routes(self.seq_len, overlap_label(overlap), self.top_k, 0)).to(self.device)
+
 
 def probe_shape(dry_run: bool, seq_len: int, overlaps, dry_seq_len: int = 768) -> ProbeShape:
     """The H200 shape ((24,2), D=256, top_k 512, CUDA events), or with ``dry_run`` a tiny one

@@ -30,12 +30,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from parity.bench_routes import _make_routes, overlap_label
     from qsa_torch.triton_qsa import triton_sparse_gqa_attention
 
     q, k, v, do = shape.inputs()
     leaves = [t.requires_grad_() for t in (q, k, v)]
-    routes = torch.from_numpy(_make_routes(args.seq_len, overlap_label(0.8), shape.top_k, 0)).to("cuda")
+    routes = shape.routes(0.8)
     scale = shape.head_dim ** -0.5
 
     def forward():

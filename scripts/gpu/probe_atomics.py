@@ -79,12 +79,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
     args = parser.parse_args(argv)
     shape = probe_shape(args.dry_run, args.seq_len, args.overlaps, dry_seq_len=256)
-    heads, head_dim, top_k, device, timer = shape.heads, shape.head_dim, shape.top_k, shape.device, shape.timer
+    heads, head_dim, device, timer = shape.heads, shape.head_dim, shape.device, shape.timer
     args.seq_len, args.overlaps = shape.seq_len, shape.overlaps
 
     import torch
 
-    from parity.bench_routes import _make_routes, overlap_label
     from qsa_torch import triton_qsa
 
     record = Record(os.path.join(args.out, "probe_atomics.json"), args.budget_s, seq_len=args.seq_len,
@@ -93,7 +92,7 @@ def main(argv=None) -> int:
     q, k, v, do = shape.inputs()
     scale = head_dim ** -0.5
     for overlap in args.overlaps:
-        routes = torch.from_numpy(_make_routes(args.seq_len, overlap_label(overlap), top_k, 0)).to(device)
+        routes = shape.routes(overlap)
         width = routes.shape[2]
         section = f"J={overlap}"
         with torch.no_grad():

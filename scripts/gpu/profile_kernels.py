@@ -34,12 +34,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from parity.bench_routes import _make_routes, overlap_label
     from qsa_torch import triton_qsa
 
     q, k, v, do = shape.inputs()
     scale = shape.head_dim ** -0.5
-    routes = torch.from_numpy(_make_routes(args.seq_len, overlap_label(args.overlap), shape.top_k, 0)).to(shape.device)
+    routes = shape.routes(args.overlap)
     width = routes.shape[2]
 
     def step():

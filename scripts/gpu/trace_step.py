@@ -65,13 +65,12 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from parity.bench_routes import _make_routes, overlap_label
     from qsa_torch.triton_qsa import triton_sparse_gqa_attention
 
     os.makedirs(args.out, exist_ok=True)
     q, k, v, do = shape.inputs()
     leaves = [t.requires_grad_() for t in (q, k, v)]
-    routes = torch.from_numpy(_make_routes(args.seq_len, overlap_label(args.overlap), shape.top_k, 0)).to("cuda")
+    routes = shape.routes(args.overlap)
     scale = shape.head_dim ** -0.5
 
     def step():
