@@ -252,6 +252,35 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
         plan.blocks.backward_num_warps, attempt.stages)
 
 
+def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
+                         union_shape: tuple[int, int, int], scale: float, dtype: str, *, block_k: int = 16,
+                         stages: int = 4) -> Launch | None:
+    """EXPERIMENT (not wired in): :func:`backward_launch` (non-deterministic) for the
+    warp-specialized Hopper kernel (``backward_sm90.py``), or None outside the scope of
+    :func:`forward_sm90_launch` (plus O and dO with unit stride along D and strides that
+    are multiples of 16). Outputs: DQ like q in ``dtype``, DK and DV fp32 zeroed."""
+    if forward_sm90_launch(plan, q, k, v, union_shape, scale, dtype) is None:
+        return None
+    if any(st[3] != 1 or any(int(x) % 16 for x in st[:3]) for st in (o[1], do[1])):
+        return None
+    (bsz, s_q, hq, d), (_, s_kv, hkv, _) = q[0], k[0]
+    _, n_tiles, width = union_shape
+    dq_shape, dk_shape = (bsz, s_q, hq, d), (bsz, s_kv, hkv, d)
+    params = (_strides("sq_", q[1], _BSH) + _strides("sk_", k[1], _BSH) + _strides("sv_", v[1], _BSH)
+              + _strides("so_", o[1], _BSH) + _strides("sdo_", do[1], _BSH)
+              + _strides("sl_", contiguous_strides((bsz, hq, s_q)), _BHS)
+              + _strides("sdq_", contiguous_strides(dq_shape), _BSH)
+              + _strides("sdk_", contiguous_strides(dk_shape), _BSH)
+              + [("S_q", s_q), ("N_TILES", n_tiles), ("UNION_WIDTH", width), ("HKV", hkv), ("G", plan.group),
+                 ("PAIRS", SM90_FORWARD_PAIRS), ("D", d), ("BLOCK_K", block_k), ("STAGES", stages)])
+    return Launch(
+        "backward_sm90", (n_tiles, bsz * hkv), ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS"),
+        (("scale", fp32(scale)), ("scale_log2", fp32(scale * LOG2E))),
+        (Output("DQ", dq_shape, dtype), Output("DK", dk_shape, "float32", zeroed=True),
+         Output("DV", dk_shape, "float32", zeroed=True)),
+        tuple(params), SM90_FORWARD_WARPS, 1)
+
+
 def _ceil_log2(x: Fraction) -> int:
     """The smallest integer k with ``x <= 2**k`` (exact; ``x`` > 0)."""
     num, den = x.numerator, x.denominator
@@ -375,6 +404,7 @@ def cut_launch(step: CutStep, parent_shape: tuple[int, int, int], max_grid_y: in
 # ----------------------------------------------------------------------- kernels
 _MODULES = {"forward": ("forward", "qsa_forward_kernel"), "forward_sm90": ("forward_sm90", "qsa_forward_sm90_kernel"),
             "backward": ("backward", "qsa_backward_kernel"),
+            "backward_sm90": ("backward_sm90", "qsa_backward_sm90_kernel"),
             "fixed_point": ("fixed_point", "fixed_point_kernel"),
             "union_keys": ("union_keys", "union_keys_kernel"), "union_merge": ("union_merge", "union_merge_kernel"),
             "union_cut": ("union_cut", "union_cut_kernel"),
