@@ -194,9 +194,9 @@ def qsa_backward_sm90_kernel(
     lse_base = b64 * sl_b + g0 * sl_h
     union_base = (b64 * N_TILES + tile) * UNION_WIDTH
     count = gl.load(COUNT + b64 * N_TILES + tile)
-    kv_base_k = b64 * sk_b + g * sk_h
-    kv_base_v = b64 * sv_b + g * sv_h
-    dk_base = b64 * sdk_b + g * sdk_h
+    kv_base_k = b64 * sk_b + g.to(gl.int64) * sk_h  # int64: the head stride times the head can pass int32
+    kv_base_v = b64 * sv_b + g.to(gl.int64) * sv_h
+    dk_base = b64 * sdk_b + g.to(gl.int64) * sdk_h
 
     dtype: gl.constexpr = Q.dtype.element_ty
     io_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAIRS, D], dtype)
