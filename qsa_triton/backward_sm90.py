@@ -75,15 +75,17 @@ def _add_transposed(ACC, acc_base, sdk_s, ids, a_smem, b_smem, factor,
     nw: gl.constexpr = gl.num_warps()
     t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
                                                        instr_shape=[16, BLOCK_K, 16])
-    d_rows = gl.arange(0, DQ, layout=gl.SliceLayout(1, t_layout))
-    ids_t = gl.convert_layout(ids, gl.SliceLayout(0, t_layout))
+    # the adds take 4 consecutive lanes of D per thread (vector atomics): [DQ, BLOCK_K]
+    add_layout: gl.constexpr = gl.BlockedLayout([4, 1], [DQ // 4, 32 * 4 // DQ], [1, nw], [0, 1])
+    d_rows = gl.arange(0, DQ, layout=gl.SliceLayout(1, add_layout))
+    ids_t = gl.convert_layout(ids, gl.SliceLayout(0, add_layout))
     a_t = a_smem.permute([1, 0])  # [D, ROWS]
     zero = gl.zeros([DQ, BLOCK_K], gl.float32, layout=t_layout)
     for q in gl.static_range(D // DQ):
         block = warpgroup_mma(a_t.slice(q * DQ, DQ, dim=0), b_smem, zero, use_acc=False, is_async=True)
         block = warpgroup_mma_wait(0, deps=[block])
         ptr = ACC + acc_base + gl.expand_dims(ids_t * sdk_s, 0) + gl.expand_dims(q * DQ + d_rows, 1)
-        gl.atomic_add(ptr, block * factor, sem="relaxed")
+        gl.atomic_add(ptr, gl.convert_layout(block * factor, add_layout), sem="relaxed")
 
 
 @gluon.jit
