@@ -10,7 +10,7 @@ and dO once); two consumer partitions of one warpgroup each own 64 of the progra
 (row, head) pairs. Per chunk a consumer computes S = Q K^T, P, dP = dO V^T, dS, adds
 dS K into its dQ (registers), stages P and dS in its own shared memory, and computes
 dV^T = dO^T P and dK^T = Q^T dS a quarter of D at a time (an [64, BLOCK_K] fp32 block
-each), adding each to DK/DV with relaxed fp32 atomics. Each consumer adds its own 64
+each), moved to 4 lanes of D per thread and added to DK/DV with relaxed v4 fp32 atomics. Each consumer adds its own 64
 pairs' blocks, so the atomics' count is twice ``backward.py``'s at 128 pairs.
 
 Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
