@@ -255,11 +255,16 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
 def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
                          union_shape: tuple[int, int, int], scale: float, dtype: str, *, block_k: int = 16,
                          stages: int = 4) -> Launch | None:
-    """EXPERIMENT (not wired in): :func:`backward_launch` (non-deterministic) for the
+    """EXPERIMENT (branch only): :func:`backward_launch` (non-deterministic) for the
     warp-specialized Hopper kernel (``backward_sm90.py``), or None outside the scope of
     :func:`forward_sm90_launch` (plus O and dO with unit stride along D and strides that
     are multiples of 16). Outputs: DQ like q in ``dtype``, DK and DV fp32 zeroed."""
     if forward_sm90_launch(plan, q, k, v, union_shape, scale, dtype) is None:
+        return None
+    # the backward's programs must be the forward's (128 pairs each)
+    if plan.flat and plan.bwd_heads != SM90_FORWARD_PAIRS:
+        return None
+    if not plan.flat and (plan.backward_rows != plan.rows_per_tile or plan.bwd_heads != plan.group):
         return None
     if any(st[3] != 1 or any(int(x) % 16 for x in st[:3]) for st in (o[1], do[1])):
         return None
