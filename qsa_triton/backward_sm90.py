@@ -1,7 +1,10 @@
 """Backward kernel for Hopper (sm_90a) in Gluon: warp-specialized token gathers.
 
 EXPERIMENT (branch ``next/backward-sm90``): compiled for sm_90a on CPU only; never run on a
-GPU. Not wired into any launcher.
+GPU. On the branch it is both frameworks' default non-deterministic backward on sm_90 where
+``qsa_triton.launch.backward_sm90_launch`` admits the operands. Its dQ sums in a different
+order from ``backward.py``'s (16-ID chunks), so the two modes' dQ are no longer equal bit
+for bit in 16-bit (each stays reproducible run to run: dQ has no atomics).
 
 The same program, unions and math as ``backward.py`` (non-deterministic mode: fp32 atomic
 dK/dV), split across warps as ``forward_sm90.py``: a 4-warp producer gathers each chunk's

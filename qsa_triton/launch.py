@@ -255,7 +255,8 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
 def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
                          union_shape: tuple[int, int, int], scale: float, dtype: str, *, block_k: int = 16,
                          stages: int = 4) -> Launch | None:
-    """EXPERIMENT (branch only): :func:`backward_launch` (non-deterministic) for the
+    """EXPERIMENT (branch only; torch's and JAX's default non-deterministic backward on
+    sm_90 there): :func:`backward_launch` (non-deterministic) for the
     warp-specialized Hopper kernel (``backward_sm90.py``), or None outside the scope of
     :func:`forward_sm90_launch` (plus O and dO with unit stride along D and strides that
     are multiples of 16). Outputs: DQ like q in ``dtype``, DK and DV fp32 zeroed."""
@@ -271,6 +272,9 @@ def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Oper
     (bsz, s_q, hq, d), (_, s_kv, hkv, _) = q[0], k[0]
     _, n_tiles, width = union_shape
     dq_shape, dk_shape = (bsz, s_q, hq, d), (bsz, s_kv, hkv, d)
+    # the dK/dV adds index rows by ID * row stride in int32 too
+    if not offsets_fit_int32(_kv_extents((dk_shape, contiguous_strides(dk_shape))), plan.offset_limit):
+        return None
     params = (_strides("sq_", q[1], _BSH) + _strides("sk_", k[1], _BSH) + _strides("sv_", v[1], _BSH)
               + _strides("so_", o[1], _BSH) + _strides("sdo_", do[1], _BSH)
               + _strides("sl_", contiguous_strides((bsz, hq, s_q)), _BHS)

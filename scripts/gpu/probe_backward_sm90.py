@@ -68,7 +68,13 @@ def _run_both(t, routes, scale, group, config, device):
     arrays = dict(Q=t["q"], K=t["k"], V=t["v"], O=out, DO=t["do"], LSE=lse, UNION=tile.union, COUNT=tile.count,
                   ROWBITS=tile.rowbits)
     hopper = lambda: launcher.run(launch, arrays, device)  # noqa: E731
-    generic = lambda: launcher.backward(t["q"], t["k"], t["v"], out, lse, t["do"], tile, scale, plan)  # noqa: E731
+    # backward.py's own launch (launcher.backward would take the sm90 kernel on this branch)
+    generic_launch = spec.backward_launch(plan, *ops, tuple(tile.union.shape), scale, "bfloat16", interpreted=False)
+    generic_arrays = dict(arrays, MAXIMA=lse)
+
+    def generic():
+        got = launcher.run(generic_launch, generic_arrays, device)
+        return got["DQ"], got["DK"], got["DV"]
     return hopper, generic
 
 

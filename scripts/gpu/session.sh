@@ -168,9 +168,10 @@ sm90bwd)
   # the experimental Hopper backward (branch next/backward-sm90, default there on sm_90):
   # its probe alone (each step in its own process, time-limited: a hang costs one step),
   # then the benchmark alone, then GPU tests and memcheck side by side
-  alone probe 230 python3 scripts/gpu/probe_backward_sm90.py --out "$R/probe" --budget-s 210 --timeout-s 60
-  alone bench 130 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
-    --backends torch-dense-sdpa,triton,jax-triton --time-budget 100 --out "$R/bench"
+  # (the first step compiles every kernel on a cold cache: 120 s per step)
+  alone probe 250 python3 scripts/gpu/probe_backward_sm90.py --out "$R/probe" --budget-s 230 --timeout-s 120
+  alone bench 110 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
+    --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench"
   beside gpu_tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_backward_sm90.py tests/test_triton_qsa.py \
     tests/test_jax_triton.py
   beside sanitize_triton 200 compute-sanitizer --tool memcheck --print-limit 30 \
