@@ -28,9 +28,9 @@ from .plan import INT32_MAX, CutStep, Plan, SortStep, fold_grid, min_backward_bl
 
 __all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES",
            "LOG2E", "FIXED_POINT_BLOCK", "fp32", "contiguous_strides", "attempts", "forward_launch",
-           "backward_launch", "forward_sm90_launch", "SM90_FORWARD_SHARED", "fixed_point_bounds",
-           "fixed_point_launch", "keys_launch", "merge_launch", "bitmap_window", "mark_launch", "compact_launch",
-           "cut_launch", "kernel", "interpreted", "interprets"]
+           "backward_launch", "forward_sm90_launch", "SM90_FORWARD_SHARED", "SM90_BACKWARD_SHARED",
+           "fixed_point_bounds", "fixed_point_launch", "keys_launch", "merge_launch", "bitmap_window", "mark_launch",
+           "compact_launch", "cut_launch", "kernel", "interpreted", "interprets"]
 
 LOG2E = 1.4426950408889634
 UNION_BLOCK = 1024  # keys (IDs) per step of the union kernels
@@ -171,6 +171,8 @@ def forward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: 
 # sm_90a compile (Q, two stages of K and V, barriers; triton 3.6's, the larger of 3.6 and 3.9).
 SM90_FORWARD_PAIRS, SM90_FORWARD_BLOCK_K, SM90_FORWARD_STAGES, SM90_FORWARD_WARPS = 128, 64, 2, 4
 SM90_FORWARD_SHARED = 196936
+# The experimental Hopper backward's shared memory per BLOCK_K x STAGES (triton 3.6, sm_90a).
+SM90_BACKWARD_SHARED = {(16, 4): 213112, (32, 2): 229448}
 
 
 def forward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: tuple[int, int, int],
