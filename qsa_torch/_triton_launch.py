@@ -115,7 +115,7 @@ def hopper_backward(device: torch.device) -> bool:
     if not hopper_forward(device):
         return False
     props = torch.cuda.get_device_properties(device)
-    return getattr(props, "shared_memory_per_block_optin", 0) >= spec.SM90_BACKWARD_SHARED[(16, 4)]
+    return getattr(props, "shared_memory_per_block_optin", 0) >= spec.SM90_BACKWARD_SHARED
 
 
 def forward(q, k, v, unions, scale: float, plan: Plan):

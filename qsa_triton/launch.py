@@ -28,7 +28,8 @@ from .plan import INT32_MAX, CutStep, Plan, SortStep, fold_grid, min_backward_bl
 
 __all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES",
            "LOG2E", "FIXED_POINT_BLOCK", "fp32", "contiguous_strides", "attempts", "forward_launch",
-           "backward_launch", "forward_sm90_launch", "SM90_FORWARD_SHARED", "SM90_BACKWARD_SHARED",
+           "backward_launch", "forward_sm90_launch", "SM90_FORWARD_SHARED", "backward_sm90_launch",
+           "SM90_BACKWARD_SHARED",
            "fixed_point_bounds", "fixed_point_launch", "keys_launch", "merge_launch", "bitmap_window", "mark_launch",
            "compact_launch", "cut_launch", "kernel", "interpreted", "interprets"]
 
@@ -171,8 +172,10 @@ def forward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: 
 # sm_90a compile (Q, two stages of K and V, barriers; triton 3.6's, the larger of 3.6 and 3.9).
 SM90_FORWARD_PAIRS, SM90_FORWARD_BLOCK_K, SM90_FORWARD_STAGES, SM90_FORWARD_WARPS = 128, 64, 2, 4
 SM90_FORWARD_SHARED = 196936
-# The experimental Hopper backward's shared memory per BLOCK_K x STAGES (triton 3.6, sm_90a).
-SM90_BACKWARD_SHARED = {(16, 4): 213112, (32, 2): 229448}
+# The experimental Hopper backward (backward_sm90.py): its union chunk and the shared memory
+# of its sm_90a compile (Q, dO, one K/V stage, P, dS, barriers; triton 3.6).
+SM90_BACKWARD_BLOCK_K = 64
+SM90_BACKWARD_SHARED = 229944
 
 
 def forward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: tuple[int, int, int],
@@ -255,8 +258,7 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
 
 
 def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
-                         union_shape: tuple[int, int, int], scale: float, dtype: str, *, block_k: int = 16,
-                         stages: int = 4) -> Launch | None:
+                         union_shape: tuple[int, int, int], scale: float, dtype: str) -> Launch | None:
     """EXPERIMENT (branch only; torch's and JAX's default non-deterministic backward on
     sm_90 there): :func:`backward_launch` (non-deterministic) for the
     warp-specialized Hopper kernel (``backward_sm90.py``), or None outside the scope of
@@ -283,7 +285,7 @@ def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Oper
               + _strides("sdq_", contiguous_strides(dq_shape), _BSH)
               + _strides("sdk_", contiguous_strides(dk_shape), _BSH)
               + [("S_q", s_q), ("N_TILES", n_tiles), ("UNION_WIDTH", width), ("HKV", hkv), ("G", plan.group),
-                 ("PAIRS", SM90_FORWARD_PAIRS), ("D", d), ("BLOCK_K", block_k), ("STAGES", stages)])
+                 ("PAIRS", SM90_FORWARD_PAIRS), ("D", d), ("BLOCK_K", SM90_BACKWARD_BLOCK_K)])
     return Launch(
         "backward_sm90", (n_tiles, bsz * hkv), ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS"),
         (("scale", fp32(scale)), ("scale_log2", fp32(scale * LOG2E))),

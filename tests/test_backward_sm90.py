@@ -41,9 +41,8 @@ def test_launch_scope():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [(16, 4), (32, 2)])
 @pytest.mark.parametrize("heads, kind", [((24, 2), "qsa"), ((24, 2), "adversarial"), ((12, 1), "qsa")])
-def test_gradients_match_the_oracle(config, heads, kind):
+def test_gradients_match_the_oracle(heads, kind):
     """dQ/dK/dV within the contract's bf16 bound of the float64 oracle, on two batch rows
     of 700 rows, int64 routes (huge padding IDs included), an unrouted inf/NaN K/V row."""
     if not torch.cuda.is_available():
@@ -68,8 +67,7 @@ def test_gradients_match_the_oracle(config, heads, kind):
     tile = unions.build_unions(troutes, seq, plan)
     out, lse = launcher.forward(t["q"], t["k"], t["v"], tile, 0.0625, plan)
     ops = [(tuple(a.shape), a.stride()) for a in (t["q"], t["k"], t["v"], out, t["do"])]
-    launch = spec.backward_sm90_launch(plan, *ops, tuple(tile.union.shape), 0.0625, "bfloat16",
-                                       block_k=config[0], stages=config[1])
+    launch = spec.backward_sm90_launch(plan, *ops, tuple(tile.union.shape), 0.0625, "bfloat16")
     got = launcher.run(launch, dict(Q=t["q"], K=t["k"], V=t["v"], O=out, DO=t["do"], LSE=lse, UNION=tile.union,
                                     COUNT=tile.count, ROWBITS=tile.rowbits), t["q"].device)
     ref = {n: t[n].double().cpu().numpy() for n in x}

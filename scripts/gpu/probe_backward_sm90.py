@@ -1,14 +1,14 @@
 """EXPERIMENT: the warp-specialized Hopper backward (``qsa_triton.backward_sm90``) beside
 ``backward.py``, on the same forward output, LSE and unions.
 
-    python3 scripts/gpu/probe_backward_sm90.py --out DIR [--configs 16x4 32x2] [--seq-lens 32768]
+    python3 scripts/gpu/probe_backward_sm90.py --out DIR [--seq-lens 32768]
 
 First correctness on small problems (B=2, (24,2) and (12,1) heads, bf16, QSA and
-adversarial int64 routes, an unrouted K/V row holding inf/NaN): each configuration's
+adversarial int64 routes, an unrouted K/V row holding inf/NaN): the kernel's
 dQ/dK/dV against the float64 oracle and against ``backward.py``'s. Each step runs in a
 subprocess with a time limit, since a kernel that hangs on an mbarrier would stall the
 whole probe. Then, per S and overlap, both backward kernels alone: CUDA-event medians and
-useful TFLOP/s (2.5x the forward's flops). Configurations are ``BLOCK_KxSTAGES``. Writes
+useful TFLOP/s (2.5x the forward's flops). Writes
 ``probe_backward_sm90.json`` under ``--out``.
 """
 
@@ -45,7 +45,7 @@ def _problem(seq, heads, kind, seed, device):
     return routes, x, t
 
 
-def _run_both(t, routes, scale, group, config, device):
+def _run_both(t, routes, scale, group, device):
     """(sm90 grads, backward.py grads) on the default plan's forward and unions."""
     import torch
 
@@ -61,9 +61,7 @@ def _run_both(t, routes, scale, group, config, device):
     out, lse = launcher.forward(t["q"], t["k"], t["v"], tile, scale, plan)
     tile = unions.backward_unions(tile, plan, routes.shape[2], routes.shape[1])  # the forward's, for 128 pairs
     ops = [(tuple(x.shape), x.stride()) for x in (t["q"], t["k"], t["v"], out, t["do"])]
-    block_k, stages = config
-    launch = spec.backward_sm90_launch(plan, *ops, tuple(tile.union.shape), scale, "bfloat16", block_k=block_k,
-                                       stages=stages)
+    launch = spec.backward_sm90_launch(plan, *ops, tuple(tile.union.shape), scale, "bfloat16")
     assert launch is not None, "the probe's shapes are in backward_sm90's scope"
     arrays = dict(Q=t["q"], K=t["k"], V=t["v"], O=out, DO=t["do"], LSE=lse, UNION=tile.union, COUNT=tile.count,
                   ROWBITS=tile.rowbits)
@@ -86,11 +84,10 @@ def _step(args) -> dict:
     from qsa_common.oracle import oracle_forward_backward, relative_error
 
     device = torch.device("cuda")
-    config = tuple(int(x) for x in args.config.split("x"))
     if args.step == "check":
         heads = tuple(int(x) for x in args.heads.split("x"))
         routes, _, t = _problem(700, heads, args.kind, 1, device)
-        hopper, generic = _run_both(t, routes, 0.0625, heads[0] // heads[1], config, device)
+        hopper, generic = _run_both(t, routes, 0.0625, heads[0] // heads[1], device)
         h, g = hopper(), generic()
         torch.cuda.synchronize()
         ref = {n: t[n].double().cpu().numpy() for n in ("q", "k", "v", "do")}
@@ -109,7 +106,7 @@ def _step(args) -> dict:
          for n, h in (("q", 24), ("k", 2), ("v", 2), ("do", 24))}
     routes = torch.from_numpy(_make_routes(seq, overlap_label(args.overlap), 512, 0)).to(device)
     useful = 2.5 * 4 * float((routes >= 0).sum()) * 24 * 256
-    hopper, generic = _run_both(t, routes, 256 ** -0.5, 12, config, device)
+    hopper, generic = _run_both(t, routes, 256 ** -0.5, 12, device)
     h, g = hopper(), generic()
     result = {"dq_rel_diff": float((h["DQ"].float() - g[0].float()).norm() / g[0].float().norm()),
               "dk_rel_diff": float((h["DK"] - g[1].float()).norm() / g[1].float().norm())}
@@ -122,13 +119,11 @@ def _step(args) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out")
-    parser.add_argument("--configs", nargs="+", default=["16x4", "32x2"])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768])
     parser.add_argument("--overlaps", type=float, nargs="+", default=[0.3, 0.8])
     parser.add_argument("--timeout-s", type=float, default=90.0)
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--step", help=argparse.SUPPRESS)
-    parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--heads", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
@@ -151,15 +146,12 @@ def main(argv=None) -> int:
                 return json.loads(line[7:])
         return {"error": f"rc={done.returncode}", "stderr": done.stderr[-2000:]}
 
-    for config in args.configs:
-        for heads, kind in (("24x2", "qsa"), ("24x2", "adversarial"), ("12x1", "qsa")):
-            record.run(f"check/{config}", f"{heads}-{kind}",
-                       lambda: sub("--step", "check", "--config", config, "--heads", heads, "--kind", kind))
-        for seq in args.seq_lens:
-            for overlap in args.overlaps:
-                record.run(f"S={seq}/J={overlap}", config,
-                           lambda: sub("--step", "time", "--config", config, "--seq", str(seq),
-                                       "--overlap", str(overlap)))
+    for heads, kind in (("24x2", "qsa"), ("24x2", "adversarial"), ("12x1", "qsa")):
+        record.run("check", f"{heads}-{kind}", lambda: sub("--step", "check", "--heads", heads, "--kind", kind))
+    for seq in args.seq_lens:
+        for overlap in args.overlaps:
+            record.run(f"S={seq}", f"J={overlap}",
+                       lambda: sub("--step", "time", "--seq", str(seq), "--overlap", str(overlap)))
     log("done")
     return 0
 
