@@ -21,8 +21,11 @@ Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per 
 Every product is at least m64n64 (docs/design-token-gather.md: the register and shared
 memory budget). The loop takes its shared-memory views afresh per chunk, from an index
 that is zero at run time but not provably so, which keeps ~70 wgmma descriptors from
-being hoisted out of the loop and spilled (sm_90a, triton 3.6: 480 bytes of spills
-instead of ~1.9 KB). Each chunk's dK/dV rows are added once per program, as in ``backward.py``.
+being hoisted out of the loop and spilled (sm_90a, triton 3.6 and its ptxas: 376 bytes of
+spills instead of ~1.9 KB). ptxas serializes the wgmma for want of registers (warning
+C7512) when fed triton 3.9's PTX, or when the chunk IDs of the gradient blocks are loaded
+in the accumulator's row layout instead of converted: check ``ptxas -v`` for the triton a
+measurement uses. Each chunk's dK/dV rows are added once per program, as in ``backward.py``.
 Its dQ sums the chunks in ``backward.py``'s order at 64-ID chunks.
 
 Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
@@ -41,7 +44,9 @@ from .forward_sm90 import _chunk_ids, _gather_to_shared, _pairs
 
 PRODUCER_WARPS = gl.constexpr(4)
 # registers per thread (setmaxnreg): the producer gathers 16 rows at a time; a consumer holds
-# dQ ([64, 256] fp32: 128) and either S and dP (2 x 32) or a [64, 64] gradient block (32)
+# dQ ([64, 256] fp32: 128) and either S and dP (2 x 32) or a [64, 64] gradient block (32).
+# The second consumer gets CONSUMER_REGS, the first (the default partition) what is left of
+# 3 x 168: 224 (fewer spills in all than 40 / 232 / 232 at sm_90a, triton 3.6)
 PRODUCER_REGS = gl.constexpr(48)
 CONSUMER_REGS = gl.constexpr(232)
 SUB_ROWS = gl.constexpr(16)  # K/V rows per producer gather step
@@ -161,19 +166,20 @@ def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_sme
         do_rows = do_all.slice(HALF * ROWS, ROWS, dim=0)
         my_p = p_all.slice(HALF * ROWS, ROWS, dim=0)
         my_ds = ds_all.slice(HALF * ROWS, ROWS, dim=0)
-        mbarrier.wait(bars.index(K_READY), phase)
-        mbarrier.wait(bars.index(V_READY), phase)
-        # the other consumer has read the previous chunk's P and dS (a fresh barrier counts
-        # as completed for parity 1)
-        mbarrier.wait(bars.index(PDS_READ), phase ^ 1)
-        fence_async_shared()
         u = j * BLOCK_K + cols_k
         bits = gl.load(ROWBITS + union_base + u, mask=u < count, other=0)
+        mbarrier.wait(bars.index(K_READY), phase)
+        fence_async_shared()
         scores = warpgroup_mma(q_rows, k_smem_j.permute([1, 0]), zero_s, use_acc=False, is_async=True)
         scores = warpgroup_mma_wait(0, deps=[scores])
         member = (((gl.expand_dims(bits, 0) >> gl.expand_dims(t_s, 1)) & 1) != 0) & gl.expand_dims(ok_s, 1)
         p = gl.where(member, gl.exp2(scores * scale_log2 - gl.expand_dims(lse_log2, 1)), 0.0)
+        # the other consumer has read the previous chunk's P and dS (a fresh barrier counts
+        # as completed for parity 1): S above overlaps its last gradient block
+        mbarrier.wait(bars.index(PDS_READ), phase ^ 1)
         my_p.store(p.to(k_smem_j.dtype))
+        mbarrier.wait(bars.index(V_READY), phase)  # S above overlaps the V gather
+        fence_async_shared()
         dp = warpgroup_mma(do_rows, v_smem_j.permute([1, 0]), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma_wait(0, deps=[dp])
         my_ds.store((p * (dp - gl.expand_dims(delta, 1))).to(k_smem_j.dtype))
