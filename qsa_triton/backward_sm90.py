@@ -1,10 +1,11 @@
 """Backward kernel for Hopper (sm_90a) in Gluon: warp-specialized token gathers, 64-ID chunks.
 
-EXPERIMENT (branch ``next/backward-sm90``): compiled for sm_90a on CPU only; this form has
-never run on a GPU (the previous form, 16/32-ID chunks with dK^T/dV^T a quarter of D at a
-time, ran correct and 1.35-1.65x slower than ``backward.py``: docs/benchmarks.md, "Sixth
-session"). On the branch it is both frameworks' default non-deterministic backward on sm_90
-where ``qsa_triton.launch.backward_sm90_launch`` admits the operands.
+EXPERIMENT (branch ``next/backward-sm90``). Its first 64-ID form ran correct and as fast as
+``backward.py`` (23.36 vs 23.24 ms at J 0.8, 47.37 vs 45.94 at J 0.3; docs/benchmarks.md,
+"Seventh session"); this form (IDs loaded ahead, gradient products overlapping the adds) is
+compiled for sm_90a on CPU only. On the branch it is both frameworks' default
+non-deterministic backward on sm_90 where ``qsa_triton.launch.backward_sm90_launch`` admits
+the operands.
 
 The same program, unions and math as ``backward.py`` (non-deterministic mode: fp32 atomic
 dK/dV), split across warps as ``forward_sm90.py``. A 4-warp producer loads the program's Q
@@ -15,17 +16,19 @@ Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per 
 3. adds dS K into its dQ ([64, 256] fp32 in registers) and releases K and V to the
    producer, which gathers the next chunk meanwhile,
 4. once both halves of P and dS are stored, builds one of the chunk's two [64 IDs, 256]
-   gradient blocks over all 128 pairs, 64 columns at a time (32 registers beside dQ's
-   128): the first consumer dV = P^T dO, the second dK = scale * dS^T Q; each block is
-   added to DV / DK with relaxed fp32 atomics (pairs of adjacent columns per thread).
-Every product is at least m64n64 (docs/design-token-gather.md: the register and shared
-memory budget). The loop takes its shared-memory views afresh per chunk, from an index
+   gradient blocks over all 128 pairs, GRAD_COLS columns at a time with the next block's
+   product in flight while one is added (2 x 16 registers beside dQ's 128): the first
+   consumer dV = P^T dO, the second dK = scale * dS^T Q; each block is added to DV / DK
+   with relaxed fp32 atomics (pairs of adjacent columns per thread).
+The producer loads each chunk's IDs once for its K and V gathers, a chunk ahead; a consumer
+loads them for its adds while its dQ product runs, in the gradient blocks' row layout.
+The S, dP and dQ products are at least m64n64 (docs/design-token-gather.md: the register
+and shared memory budget). The loop takes its shared-memory views afresh per chunk, from an index
 that is zero at run time but not provably so, which keeps ~70 wgmma descriptors from
-being hoisted out of the loop and spilled (sm_90a, triton 3.6 and its ptxas: 376 bytes of
+being hoisted out of the loop and spilled (sm_90a, triton 3.6 and its ptxas: 92 bytes of
 spills instead of ~1.9 KB). ptxas serializes the wgmma for want of registers (warning
-C7512) when fed triton 3.9's PTX, or when the chunk IDs of the gradient blocks are loaded
-in the accumulator's row layout instead of converted: check ``ptxas -v`` for the triton a
-measurement uses. Each chunk's dK/dV rows are added once per program, as in ``backward.py``.
+C7512) when fed triton 3.9's PTX, or with two 64-column gradient blocks in flight: check
+``ptxas -v`` for the triton a measurement uses. Each chunk's dK/dV rows are added once per program, as in ``backward.py``.
 Its dQ sums the chunks in ``backward.py``'s order at 64-ID chunks.
 
 Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
@@ -50,6 +53,7 @@ PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(48)
 CONSUMER_REGS = gl.constexpr(232)
 SUB_ROWS = gl.constexpr(16)  # K/V rows per producer gather step
+GRAD_COLS = gl.constexpr(32)  # columns of a gradient block (two in flight: 2 x 16 registers)
 LOG2E = gl.constexpr(1.4426950408889634)
 
 # barriers (indices into ``bars``): Q/dO loaded, K ready, V ready, K/V free, P/dS stored
@@ -81,21 +85,37 @@ def _producer(Q, DO, LSE, K, V, UNION, q_smem, do_smem, k_smem, v_smem, bars,
         do_ptr = DO + gl.expand_dims(do_base + row64 * sdo_s + head * sdo_h, 1) + gl.expand_dims(cols, 0)
         _gather_to_shared(do_smem.slice(h * SUB_ROWS, SUB_ROWS, dim=0), do_ptr, mask)
     async_copy.mbarrier_arrive(bars.index(QDO), increment_count=False)
+    gl.static_assert(BLOCK_K == 4 * SUB_ROWS, "a chunk is gathered in four steps")
     rows = gl.arange(0, SUB_ROWS, layout=gl.SliceLayout(1, blk))
     n_chunks = gl.cdiv(count, BLOCK_K)
+    # each chunk's IDs are loaded once for its K and V gathers, one chunk ahead (past the
+    # last chunk they repeat IDs of the union: in bounds, never used)
+    ids0 = _chunk_ids(UNION, union_base, 0 * SUB_ROWS, count, rows)
+    ids1 = _chunk_ids(UNION, union_base, 1 * SUB_ROWS, count, rows)
+    ids2 = _chunk_ids(UNION, union_base, 2 * SUB_ROWS, count, rows)
+    ids3 = _chunk_ids(UNION, union_base, 3 * SUB_ROWS, count, rows)
     for j in range(n_chunks):
         # a fresh barrier counts as completed for parity 1: the first wait passes
         mbarrier.wait(bars.index(KV_FREE), (j & 1) ^ 1)
-        for r in gl.static_range(BLOCK_K // SUB_ROWS):
-            ids = _chunk_ids(UNION, union_base, j * BLOCK_K + r * SUB_ROWS, count, rows)
-            k_ptr = K + kv_base_k + gl.expand_dims(ids * sk_s, 1) + gl.expand_dims(cols, 0)
-            _gather_to_shared(k_smem.slice(r * SUB_ROWS, SUB_ROWS, dim=0), k_ptr)
+        _gather_rows(k_smem, K + kv_base_k, sk_s, ids0, ids1, ids2, ids3, cols)
         async_copy.mbarrier_arrive(bars.index(K_READY), increment_count=False)
-        for r in gl.static_range(BLOCK_K // SUB_ROWS):
-            ids = _chunk_ids(UNION, union_base, j * BLOCK_K + r * SUB_ROWS, count, rows)
-            v_ptr = V + kv_base_v + gl.expand_dims(ids * sv_s, 1) + gl.expand_dims(cols, 0)
-            _gather_to_shared(v_smem.slice(r * SUB_ROWS, SUB_ROWS, dim=0), v_ptr)
+        _gather_rows(v_smem, V + kv_base_v, sv_s, ids0, ids1, ids2, ids3, cols)
         async_copy.mbarrier_arrive(bars.index(V_READY), increment_count=False)
+        nxt = (j + 1) * BLOCK_K
+        ids0 = _chunk_ids(UNION, union_base, nxt + 0 * SUB_ROWS, count, rows)
+        ids1 = _chunk_ids(UNION, union_base, nxt + 1 * SUB_ROWS, count, rows)
+        ids2 = _chunk_ids(UNION, union_base, nxt + 2 * SUB_ROWS, count, rows)
+        ids3 = _chunk_ids(UNION, union_base, nxt + 3 * SUB_ROWS, count, rows)
+
+
+@gluon.jit
+def _gather_rows(smem, base, stride, ids0, ids1, ids2, ids3, cols):
+    """The chunk's [4 * SUB_ROWS, D] rows ``base + id * stride`` into ``smem``, SUB_ROWS
+    rows (one ``ids``) at a time."""
+    for r in gl.static_range(4):
+        ids = ids0 if r == 0 else (ids1 if r == 1 else (ids2 if r == 2 else ids3))
+        ptr = base + gl.expand_dims(ids * stride, 1) + gl.expand_dims(cols, 0)
+        _gather_to_shared(smem.slice(r * SUB_ROWS, SUB_ROWS, dim=0), ptr)
 
 
 @gluon.jit
@@ -110,13 +130,20 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, factor,
     rows = gl.convert_layout(ids, gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
     zero = gl.zeros([BLOCK_K, COLS], gl.float32, layout=acc_layout)
+    # block h + 1's product runs while block h is added
+    block = warpgroup_mma(a_t, b_smem.slice(0, COLS, dim=1), zero, use_acc=False, is_async=True)
     for h in gl.static_range(D // COLS):
-        block = warpgroup_mma(a_t, b_smem.slice(h * COLS, COLS, dim=1), zero, use_acc=False, is_async=True)
-        block = warpgroup_mma_wait(0, deps=[block])
+        if h + 1 < D // COLS:
+            nxt = warpgroup_mma(a_t, b_smem.slice((h + 1) * COLS, COLS, dim=1), zero, use_acc=False, is_async=True)
+            block = warpgroup_mma_wait(1, deps=[block])
+        else:
+            block = warpgroup_mma_wait(0, deps=[block])
         # the block's column offset goes into the row pointers, so the [BLOCK_K, COLS]
         # offsets are one loop-invariant set of int32 columns, not one int64 set per block
         row_ptr = ACC + (acc_base + h * COLS) + rows * sdk_s
         gl.atomic_add(gl.expand_dims(row_ptr, 1) + gl.expand_dims(cols, 0), block * factor, sem="relaxed")
+        if h + 1 < D // COLS:
+            block = nxt
 
 
 @gluon.jit
@@ -152,6 +179,10 @@ def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_sme
     delta = gl.where(routed, delta, 0.0)
 
     cols_k = gl.arange(0, BLOCK_K, layout=col_s)
+    # the chunk IDs in the row layout of the gradient blocks (``_add_block``)
+    grad_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                          instr_shape=[16, GRAD_COLS, 16])
+    ids_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, grad_layout))
     zero_s = gl.zeros([ROWS, BLOCK_K], gl.float32, layout=s_layout)
     dq = gl.zeros([ROWS, D], gl.float32, layout=dq_layout)
     n_chunks = gl.cdiv(count, BLOCK_K)
@@ -184,16 +215,16 @@ def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_sme
         dp = warpgroup_mma_wait(0, deps=[dp])
         my_ds.store((p * (dp - gl.expand_dims(delta, 1))).to(k_smem_j.dtype))
         fence_async_shared()  # the stores before the wgmma reads below
+        ids = _chunk_ids(UNION, union_base, j * BLOCK_K, count, ids_k)  # in flight during dQ
         dq = warpgroup_mma(my_ds, k_smem_j, dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=[dq])
         mbarrier.arrive(bars.index(KV_FREE), count=1)  # K and V of this chunk are read
         mbarrier.arrive(bars.index(PDS_STORED), count=1)
         mbarrier.wait(bars.index(PDS_STORED), phase)
-        ids = _chunk_ids(UNION, union_base, j * BLOCK_K, count, cols_k)
         if HALF == 0:
-            _add_block(DV, dk_base, sdk_s, ids, p_all.permute([1, 0]), do_all, 1.0, D, BLOCK_K, D // 4)
+            _add_block(DV, dk_base, sdk_s, ids, p_all.permute([1, 0]), do_all, 1.0, D, BLOCK_K, GRAD_COLS)
         else:
-            _add_block(DK, dk_base, sdk_s, ids, ds_all.permute([1, 0]), q_all, scale, D, BLOCK_K, D // 4)
+            _add_block(DK, dk_base, sdk_s, ids, ds_all.permute([1, 0]), q_all, scale, D, BLOCK_K, GRAD_COLS)
         mbarrier.arrive(bars.index(PDS_READ), count=1)
 
     cols_d = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
