@@ -28,8 +28,9 @@ that is zero at run time but not provably so, which keeps ~70 wgmma descriptors 
 being hoisted out of the loop and spilled (sm_90a, triton 3.6 and its ptxas: 92 bytes of
 spills instead of ~1.9 KB). ptxas serializes the wgmma for want of registers (warning
 C7512) when fed triton 3.9's PTX, or with two 64-column gradient blocks in flight: check
-``ptxas -v`` for the triton a measurement uses. Each chunk's dK/dV rows are added once per program, as in ``backward.py``.
-Its dQ sums the chunks in ``backward.py``'s order at 64-ID chunks.
+``ptxas -v`` for the triton a measurement uses. Each chunk's dK/dV rows are added once per
+program, as in ``backward.py``. Its dQ sums the chunks in ``backward.py``'s order at 64-ID
+chunks.
 
 Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
 scalars, outputs, then integers and constexprs (by keyword).
