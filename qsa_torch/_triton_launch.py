@@ -111,7 +111,7 @@ def hopper_forward(device: torch.device) -> bool:
 
 @functools.cache
 def hopper_backward(device: torch.device) -> bool:
-    """:func:`hopper_forward`, and room for the experimental backward's shared memory."""
+    """:func:`hopper_forward`, and room for the Hopper backward's shared memory."""
     if not hopper_forward(device):
         return False
     props = torch.cuda.get_device_properties(device)

@@ -1,11 +1,8 @@
 """Backward kernel for Hopper (sm_90a) in Gluon: warp-specialized token gathers, 64-ID chunks.
 
-EXPERIMENT (branch ``next/backward-sm90``). Its first 64-ID form ran correct and as fast as
-``backward.py`` (23.36 vs 23.24 ms at J 0.8, 47.37 vs 45.94 at J 0.3; docs/benchmarks.md,
-"Seventh session"); this form (IDs loaded ahead, gradient products overlapping the adds) is
-compiled for sm_90a on CPU only. On the branch it is both frameworks' default
-non-deterministic backward on sm_90 where ``qsa_triton.launch.backward_sm90_launch`` admits
-the operands.
+Both frameworks' default non-deterministic backward on sm_90 where
+``qsa_triton.launch.backward_sm90_launch`` admits the operands; ``backward.py`` elsewhere and
+for the deterministic mode (measurements: docs/benchmarks.md, "Seventh session").
 
 The same program, unions and math as ``backward.py`` (non-deterministic mode: fp32 atomic
 dK/dV), split across warps as ``forward_sm90.py``. A 4-warp producer loads the program's Q

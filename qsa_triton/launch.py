@@ -172,7 +172,7 @@ def forward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: 
 # sm_90a compile (Q, two stages of K and V, barriers; triton 3.6's, the larger of 3.6 and 3.9).
 SM90_FORWARD_PAIRS, SM90_FORWARD_BLOCK_K, SM90_FORWARD_STAGES, SM90_FORWARD_WARPS = 128, 64, 2, 4
 SM90_FORWARD_SHARED = 196936
-# The experimental Hopper backward (backward_sm90.py): its union chunk and the shared memory
+# The Hopper backward (backward_sm90.py): its union chunk and the shared memory
 # of its sm_90a compile (Q, dO, one K/V stage, P, dS, barriers; triton 3.6).
 SM90_BACKWARD_BLOCK_K = 64
 SM90_BACKWARD_SHARED = 229944
@@ -259,11 +259,11 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
 
 def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
                          union_shape: tuple[int, int, int], scale: float, dtype: str) -> Launch | None:
-    """EXPERIMENT (branch only; torch's and JAX's default non-deterministic backward on
-    sm_90 there): :func:`backward_launch` (non-deterministic) for the
-    warp-specialized Hopper kernel (``backward_sm90.py``), or None outside the scope of
-    :func:`forward_sm90_launch` (plus O and dO with unit stride along D and strides that
-    are multiples of 16). Outputs: DQ like q in ``dtype``, DK and DV fp32 zeroed."""
+    """:func:`backward_launch` (non-deterministic) for the warp-specialized Hopper kernel
+    (``backward_sm90.py``; torch's and JAX's default non-deterministic backward on sm_90),
+    or None outside the scope of :func:`forward_sm90_launch` (plus O and dO with unit
+    stride along D and strides that are multiples of 16). Outputs: DQ like q in
+    ``dtype``, DK and DV fp32 zeroed."""
     if forward_sm90_launch(plan, q, k, v, union_shape, scale, dtype) is None:
         return None
     # the backward's programs must be the forward's (128 pairs each)

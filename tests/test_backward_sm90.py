@@ -1,5 +1,5 @@
-"""EXPERIMENT: the warp-specialized Hopper backward (``qsa_triton.backward_sm90``; on this
-branch the default non-deterministic backward on sm_90); GPU only apart from its launch
+"""The warp-specialized Hopper backward (``qsa_triton.backward_sm90``: the default
+non-deterministic backward on sm_90); GPU only apart from its launch
 description (Gluon kernels do not run in Triton's interpreter)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""EXPERIMENT: the warp-specialized Hopper backward (``qsa_triton.backward_sm90``) beside
+"""The warp-specialized Hopper backward (``qsa_triton.backward_sm90``) beside
 ``backward.py``, on the same forward output, LSE and unions.
 
     python3 scripts/gpu/probe_backward_sm90.py --out DIR [--seq-lens 32768]

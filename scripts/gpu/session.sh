@@ -17,7 +17,7 @@
 #   main's whole GPU check, no timing (carry .whl): bash scripts/gpu/session.sh complete
 #   the side-by-side timing, both head configs (carry .whl): bash scripts/gpu/session.sh final
 #   torch's host time per step, S=8192 beside dense (carry .whl): bash scripts/gpu/session.sh host
-#   the Hopper backward experiment (carry .whl):  bash scripts/gpu/session.sh sm90bwd
+#   the Hopper backward against backward.py (carry .whl):  bash scripts/gpu/session.sh sm90bwd
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -165,7 +165,7 @@ host)
     tests/test_torch_api.py
   ;;
 sm90bwd)
-  # the experimental Hopper backward (branch next/backward-sm90, default there on sm_90):
+  # the Hopper backward (the default non-deterministic backward on sm_90) against backward.py:
   # its probe alone (each step in its own process, time-limited: a hang costs one step),
   # then the benchmark alone, then GPU tests and memcheck side by side
   # (the first step compiles every kernel on a cold cache: 120 s per step)
