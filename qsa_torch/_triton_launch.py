@@ -109,6 +109,15 @@ def hopper_forward(device: torch.device) -> bool:
     return True
 
 
+@functools.cache
+def hopper_backward(device: torch.device) -> bool:
+    """:func:`hopper_forward`, and room for the Hopper backward's shared memory."""
+    if not hopper_forward(device):
+        return False
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 0) >= spec.SM90_BACKWARD_SHARED
+
+
 def forward(q, k, v, unions, scale: float, plan: Plan):
     """Forward kernel over the forward's unions (``TileUnions``): out ``[B,S_q,Hq,D]``
     (q's dtype) and the natural-log LSE ``[B,Hq,S_q]`` fp32. On Hopper, operands in its
@@ -166,6 +175,13 @@ def backward(q, k, v, out, lse, grad_out, unions, scale: float, plan: Plan, *, d
                                     attempt=attempt, deterministic=deterministic)
 
     lse = lse.contiguous()
+    if not deterministic and not interpret and hopper_backward(q.device):
+        launch = spec.backward_sm90_launch(plan, _operand(q), _operand(k), _operand(v), _operand(out),
+                                           _operand(grad_out), tuple(unions.union.shape), scale, dtype)
+        if launch is not None and all(x.data_ptr() % 16 == 0 for x in (q, k, v, out, grad_out)):
+            outputs = run(launch, dict(Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, UNION=unions.union,
+                                       COUNT=unions.count, ROWBITS=unions.rowbits), q.device)
+            return outputs["DQ"], outputs["DK"].to(k.dtype), outputs["DV"].to(v.dtype)
     # MAXIMA is read by the deterministic kernel only (LSE stands in for it otherwise)
     maxima = input_maxima(q, grad_out, v, lse) if deterministic else lse
     arrays = dict(Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, UNION=unions.union, COUNT=unions.count,

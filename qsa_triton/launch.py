@@ -28,9 +28,10 @@ from .plan import INT32_MAX, CutStep, Plan, SortStep, fold_grid, min_backward_bl
 
 __all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES",
            "LOG2E", "FIXED_POINT_BLOCK", "fp32", "contiguous_strides", "attempts", "forward_launch",
-           "backward_launch", "forward_sm90_launch", "SM90_FORWARD_SHARED", "fixed_point_bounds",
-           "fixed_point_launch", "keys_launch", "merge_launch", "bitmap_window", "mark_launch", "compact_launch",
-           "cut_launch", "kernel", "interpreted", "interprets"]
+           "backward_launch", "forward_sm90_launch", "SM90_FORWARD_SHARED", "backward_sm90_launch",
+           "SM90_BACKWARD_SHARED",
+           "fixed_point_bounds", "fixed_point_launch", "keys_launch", "merge_launch", "bitmap_window", "mark_launch",
+           "compact_launch", "cut_launch", "kernel", "interpreted", "interprets"]
 
 LOG2E = 1.4426950408889634
 UNION_BLOCK = 1024  # keys (IDs) per step of the union kernels
@@ -171,6 +172,10 @@ def forward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: 
 # sm_90a compile (Q, two stages of K and V, barriers; triton 3.6's, the larger of 3.6 and 3.9).
 SM90_FORWARD_PAIRS, SM90_FORWARD_BLOCK_K, SM90_FORWARD_STAGES, SM90_FORWARD_WARPS = 128, 64, 2, 4
 SM90_FORWARD_SHARED = 196936
+# The Hopper backward (backward_sm90.py): its union chunk and the shared memory
+# of its sm_90a compile (Q, dO, one K/V stage, P, dS, barriers; triton 3.6).
+SM90_BACKWARD_BLOCK_K = 64
+SM90_BACKWARD_SHARED = 229944
 
 
 def forward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: tuple[int, int, int],
@@ -250,6 +255,43 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
         (Output("DQ", dq_shape, dtype), *accumulators, Output("FLAG", (1,), "int32", zeroed=True)),
         tuple(strides + ints + [("BOUND_K", bounds[0]), ("BOUND_V", bounds[1])] + constexprs + tail),
         plan.blocks.backward_num_warps, attempt.stages)
+
+
+def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
+                         union_shape: tuple[int, int, int], scale: float, dtype: str) -> Launch | None:
+    """:func:`backward_launch` (non-deterministic) for the warp-specialized Hopper kernel
+    (``backward_sm90.py``; torch's and JAX's default non-deterministic backward on sm_90),
+    or None outside the scope of :func:`forward_sm90_launch` (plus O and dO with unit
+    stride along D and strides that are multiples of 16). Outputs: DQ like q in
+    ``dtype``, DK and DV fp32 zeroed."""
+    if forward_sm90_launch(plan, q, k, v, union_shape, scale, dtype) is None:
+        return None
+    # the backward's programs must be the forward's (128 pairs each)
+    if plan.flat and plan.bwd_heads != SM90_FORWARD_PAIRS:
+        return None
+    if not plan.flat and (plan.backward_rows != plan.rows_per_tile or plan.bwd_heads != plan.group):
+        return None
+    if any(st[3] != 1 or any(int(x) % 16 for x in st[:3]) for st in (o[1], do[1])):
+        return None
+    (bsz, s_q, hq, d), (_, s_kv, hkv, _) = q[0], k[0]
+    _, n_tiles, width = union_shape
+    dq_shape, dk_shape = (bsz, s_q, hq, d), (bsz, s_kv, hkv, d)
+    # the dK/dV adds index rows by ID * row stride in int32 too
+    if not offsets_fit_int32(_kv_extents((dk_shape, contiguous_strides(dk_shape))), plan.offset_limit):
+        return None
+    params = (_strides("sq_", q[1], _BSH) + _strides("sk_", k[1], _BSH) + _strides("sv_", v[1], _BSH)
+              + _strides("so_", o[1], _BSH) + _strides("sdo_", do[1], _BSH)
+              + _strides("sl_", contiguous_strides((bsz, hq, s_q)), _BHS)
+              + _strides("sdq_", contiguous_strides(dq_shape), _BSH)
+              + _strides("sdk_", contiguous_strides(dk_shape), _BSH)
+              + [("S_q", s_q), ("N_TILES", n_tiles), ("UNION_WIDTH", width), ("HKV", hkv), ("G", plan.group),
+                 ("PAIRS", SM90_FORWARD_PAIRS), ("D", d), ("BLOCK_K", SM90_BACKWARD_BLOCK_K)])
+    return Launch(
+        "backward_sm90", (n_tiles, bsz * hkv), ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS"),
+        (("scale", fp32(scale)), ("scale_log2", fp32(scale * LOG2E))),
+        (Output("DQ", dq_shape, dtype), Output("DK", dk_shape, "float32", zeroed=True),
+         Output("DV", dk_shape, "float32", zeroed=True)),
+        tuple(params), SM90_FORWARD_WARPS, 1)
 
 
 def _ceil_log2(x: Fraction) -> int:
@@ -375,6 +417,7 @@ def cut_launch(step: CutStep, parent_shape: tuple[int, int, int], max_grid_y: in
 # ----------------------------------------------------------------------- kernels
 _MODULES = {"forward": ("forward", "qsa_forward_kernel"), "forward_sm90": ("forward_sm90", "qsa_forward_sm90_kernel"),
             "backward": ("backward", "qsa_backward_kernel"),
+            "backward_sm90": ("backward_sm90", "qsa_backward_sm90_kernel"),
             "fixed_point": ("fixed_point", "fixed_point_kernel"),
             "union_keys": ("union_keys", "union_keys_kernel"), "union_merge": ("union_merge", "union_merge_kernel"),
             "union_cut": ("union_cut", "union_cut_kernel"),

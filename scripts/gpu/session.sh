@@ -17,6 +17,7 @@
 #   main's whole GPU check, no timing (carry .whl): bash scripts/gpu/session.sh complete
 #   the side-by-side timing, both head configs (carry .whl): bash scripts/gpu/session.sh final
 #   torch's host time per step, S=8192 beside dense (carry .whl): bash scripts/gpu/session.sh host
+#   the Hopper backward against backward.py (carry .whl):  bash scripts/gpu/session.sh sm90bwd
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -25,7 +26,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90bwd or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -162,6 +163,20 @@ host)
     --backends torch-dense-sdpa,triton,jax-triton --time-budget 100 --out "$R/bench"
   alone gpu_tests 280 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_triton_qsa.py \
     tests/test_torch_api.py
+  ;;
+sm90bwd)
+  # the Hopper backward (the default non-deterministic backward on sm_90) against backward.py:
+  # its probe alone (each step in its own process, time-limited: a hang costs one step),
+  # then the benchmark alone, then GPU tests and memcheck side by side
+  # (the first step compiles every kernel on a cold cache: 120 s per step)
+  alone probe 250 python3 scripts/gpu/probe_backward_sm90.py --out "$R/probe" --budget-s 230 --timeout-s 120
+  alone bench 110 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
+    --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench"
+  beside gpu_tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_backward_sm90.py tests/test_triton_qsa.py \
+    tests/test_jax_triton.py
+  beside sanitize_triton 200 compute-sanitizer --tool memcheck --print-limit 30 \
+    python3 scripts/gpu/check_triton.py --sanitizer-probe
+  wait
   ;;
 recheck)
   # after fixes to what the three calls above found: the pieces that changed, in one call

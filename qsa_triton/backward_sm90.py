@@ -1,0 +1,297 @@
+"""Backward kernel for Hopper (sm_90a) in Gluon: warp-specialized token gathers, 64-ID chunks.
+
+Both frameworks' default non-deterministic backward on sm_90 where
+``qsa_triton.launch.backward_sm90_launch`` admits the operands; ``backward.py`` elsewhere and
+for the deterministic mode (measurements: docs/benchmarks.md, "Seventh session").
+
+The same program, unions and math as ``backward.py`` (non-deterministic mode: fp32 atomic
+dK/dV), split across warps as ``forward_sm90.py``. A 4-warp producer loads the program's Q
+and dO once, then gathers each 64-ID chunk's K and V rows with cp.async into one stage.
+Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per chunk each
+1. computes S = Q K^T, P, dP = dO V^T and dS for its pairs ([64, 64] fp32 each),
+2. stores P and dS (16-bit) into the program's shared [128, 64] P and dS,
+3. adds dS K into its dQ ([64, 256] fp32 in registers) and releases K and V to the
+   producer, which gathers the next chunk meanwhile,
+4. once both halves of P and dS are stored, builds one of the chunk's two [64 IDs, 256]
+   gradient blocks over all 128 pairs, GRAD_COLS columns at a time with the next block's
+   product in flight while one is added (2 x 16 registers beside dQ's 128): the first
+   consumer dV = P^T dO, the second dK = scale * dS^T Q; each block is added to DV / DK
+   with relaxed fp32 atomics (pairs of adjacent columns per thread).
+The producer loads each chunk's IDs once for its K and V gathers, a chunk ahead; a consumer
+loads them for its adds while its dQ product runs, in the gradient blocks' row layout.
+The S, dP and dQ products are at least m64n64 (docs/design-token-gather.md: the register
+and shared memory budget). The loop takes its shared-memory views afresh per chunk, from an index
+that is zero at run time but not provably so, which keeps ~70 wgmma descriptors from
+being hoisted out of the loop and spilled (sm_90a, triton 3.6 and its ptxas: 92 bytes of
+spills instead of ~1.9 KB). ptxas serializes the wgmma for want of registers (warning
+C7512) when fed triton 3.9's PTX, or with two 64-column gradient blocks in flight: check
+``ptxas -v`` for the triton a measurement uses. Each chunk's dK/dV rows are added once per
+program, as in ``backward.py``. Its dQ sums the chunks in ``backward.py``'s order at 64-ID
+chunks.
+
+Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
+scalars, outputs, then integers and constexprs (by keyword).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .forward_sm90 import _chunk_ids, _gather_to_shared, _pairs
+
+PRODUCER_WARPS = gl.constexpr(4)
+# registers per thread (setmaxnreg): the producer gathers 16 rows at a time; a consumer holds
+# dQ ([64, 256] fp32: 128) and either S and dP (2 x 32) or a [64, 64] gradient block (32).
+# The second consumer gets CONSUMER_REGS, the first (the default partition) what is left of
+# 3 x 168: 224 (fewer spills in all than 40 / 232 / 232 at sm_90a, triton 3.6)
+PRODUCER_REGS = gl.constexpr(48)
+CONSUMER_REGS = gl.constexpr(232)
+SUB_ROWS = gl.constexpr(16)  # K/V rows per producer gather step
+GRAD_COLS = gl.constexpr(32)  # columns of a gradient block (two in flight: 2 x 16 registers)
+LOG2E = gl.constexpr(1.4426950408889634)
+
+# barriers (indices into ``bars``): Q/dO loaded, K ready, V ready, K/V free, P/dS stored
+# (both halves), P/dS read (both gradient blocks)
+QDO = gl.constexpr(0)
+K_READY = gl.constexpr(1)
+V_READY = gl.constexpr(2)
+KV_FREE = gl.constexpr(3)
+PDS_STORED = gl.constexpr(4)
+PDS_READ = gl.constexpr(5)
+
+
+@gluon.jit
+def _producer(Q, DO, LSE, K, V, UNION, q_smem, do_smem, k_smem, v_smem, bars,
+              tile, S_q, G, q_base, sq_s, sq_h, do_base, sdo_s, sdo_h, lse_base, sl_h, sl_s,
+              kv_base_k, kv_base_v, sk_s, sv_s, union_base, count,
+              PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr):
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    q_smem, do_smem, k_smem, v_smem = q_smem.index(0), do_smem.index(0), k_smem.index(0), v_smem.index(0)
+    # Q and dO of the program's pairs, once, 16 pairs at a time; a pair without routes (LSE
+    # +inf) is not read (zero-filled), so whatever its q and dO hold cannot reach dK/dV
+    for h in gl.static_range(PAIRS // SUB_ROWS):
+        _, row64, head, row_ok = _pairs(tile, S_q, G, gl.SliceLayout(1, blk), PAIRS, h * SUB_ROWS, SUB_ROWS)
+        lse = gl.load(LSE + lse_base + head * sl_h + row64 * sl_s, mask=row_ok, other=float("inf"))
+        mask = gl.expand_dims(row_ok & (lse != float("inf")), 1) & gl.expand_dims(cols < D, 0)
+        q_ptr = Q + gl.expand_dims(q_base + row64 * sq_s + head * sq_h, 1) + gl.expand_dims(cols, 0)
+        _gather_to_shared(q_smem.slice(h * SUB_ROWS, SUB_ROWS, dim=0), q_ptr, mask)
+        do_ptr = DO + gl.expand_dims(do_base + row64 * sdo_s + head * sdo_h, 1) + gl.expand_dims(cols, 0)
+        _gather_to_shared(do_smem.slice(h * SUB_ROWS, SUB_ROWS, dim=0), do_ptr, mask)
+    async_copy.mbarrier_arrive(bars.index(QDO), increment_count=False)
+    gl.static_assert(BLOCK_K == 4 * SUB_ROWS, "a chunk is gathered in four steps")
+    rows = gl.arange(0, SUB_ROWS, layout=gl.SliceLayout(1, blk))
+    n_chunks = gl.cdiv(count, BLOCK_K)
+    # each chunk's IDs are loaded once for its K and V gathers, one chunk ahead (past the
+    # last chunk they repeat IDs of the union: in bounds, never used)
+    ids0 = _chunk_ids(UNION, union_base, 0 * SUB_ROWS, count, rows)
+    ids1 = _chunk_ids(UNION, union_base, 1 * SUB_ROWS, count, rows)
+    ids2 = _chunk_ids(UNION, union_base, 2 * SUB_ROWS, count, rows)
+    ids3 = _chunk_ids(UNION, union_base, 3 * SUB_ROWS, count, rows)
+    for j in range(n_chunks):
+        # a fresh barrier counts as completed for parity 1: the first wait passes
+        mbarrier.wait(bars.index(KV_FREE), (j & 1) ^ 1)
+        _gather_rows(k_smem, K + kv_base_k, sk_s, ids0, ids1, ids2, ids3, cols)
+        async_copy.mbarrier_arrive(bars.index(K_READY), increment_count=False)
+        _gather_rows(v_smem, V + kv_base_v, sv_s, ids0, ids1, ids2, ids3, cols)
+        async_copy.mbarrier_arrive(bars.index(V_READY), increment_count=False)
+        nxt = (j + 1) * BLOCK_K
+        ids0 = _chunk_ids(UNION, union_base, nxt + 0 * SUB_ROWS, count, rows)
+        ids1 = _chunk_ids(UNION, union_base, nxt + 1 * SUB_ROWS, count, rows)
+        ids2 = _chunk_ids(UNION, union_base, nxt + 2 * SUB_ROWS, count, rows)
+        ids3 = _chunk_ids(UNION, union_base, nxt + 3 * SUB_ROWS, count, rows)
+
+
+@gluon.jit
+def _gather_rows(smem, base, stride, ids0, ids1, ids2, ids3, cols):
+    """The chunk's [4 * SUB_ROWS, D] rows ``base + id * stride`` into ``smem``, SUB_ROWS
+    rows (one ``ids``) at a time."""
+    for r in gl.static_range(4):
+        ids = ids0 if r == 0 else (ids1 if r == 1 else (ids2 if r == 2 else ids3))
+        ptr = base + gl.expand_dims(ids * stride, 1) + gl.expand_dims(cols, 0)
+        _gather_to_shared(smem.slice(r * SUB_ROWS, SUB_ROWS, dim=0), ptr)
+
+
+@gluon.jit
+def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, factor,
+               D: gl.constexpr, BLOCK_K: gl.constexpr, COLS: gl.constexpr):
+    """ACC[id_u, :] += factor * (A^T B)[u, :] for the chunk's IDs, COLS columns at a time:
+    ``a_t`` [BLOCK_K, PAIRS] (P^T or dS^T, a transposed view), B ``b_smem`` [PAIRS, D] (dO
+    or Q). IDs past the union's count repeat routed IDs and add rows of zeros."""
+    nw: gl.constexpr = gl.num_warps()
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                         instr_shape=[16, COLS, 16])
+    rows = gl.convert_layout(ids, gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
+    zero = gl.zeros([BLOCK_K, COLS], gl.float32, layout=acc_layout)
+    # block h + 1's product runs while block h is added
+    block = warpgroup_mma(a_t, b_smem.slice(0, COLS, dim=1), zero, use_acc=False, is_async=True)
+    for h in gl.static_range(D // COLS):
+        if h + 1 < D // COLS:
+            nxt = warpgroup_mma(a_t, b_smem.slice((h + 1) * COLS, COLS, dim=1), zero, use_acc=False, is_async=True)
+            block = warpgroup_mma_wait(1, deps=[block])
+        else:
+            block = warpgroup_mma_wait(0, deps=[block])
+        # the block's column offset goes into the row pointers, so the [BLOCK_K, COLS]
+        # offsets are one loop-invariant set of int32 columns, not one int64 set per block
+        row_ptr = ACC + (acc_base + h * COLS) + rows * sdk_s
+        gl.atomic_add(gl.expand_dims(row_ptr, 1) + gl.expand_dims(cols, 0), block * factor, sem="relaxed")
+        if h + 1 < D // COLS:
+            block = nxt
+
+
+@gluon.jit
+def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, bars,
+              scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h, lse_base, sl_h, sl_s,
+              dk_base, sdk_s, union_base, count,
+              PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, HALF: gl.constexpr):
+    """Pairs [HALF * 64, HALF * 64 + 64) of the program, on one warpgroup; the chunks' dV
+    blocks where HALF is 0, their dK blocks where it is 1."""
+    nw: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = PAIRS // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, BLOCK_K, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                        instr_shape=[16, D, 16])
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [nw, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    t_s, row64, head, ok_s = _pairs(tile, S_q, G, row_s, PAIRS, HALF * ROWS, ROWS)
+    lse = gl.load(LSE + lse_base + head * sl_h + row64 * sl_s, mask=ok_s, other=float("inf"))
+    routed = lse != float("inf")
+    lse_log2 = lse * LOG2E
+    do_rows = do_smem.index(0).slice(HALF * ROWS, ROWS, dim=0)
+    mbarrier.wait(bars.index(QDO), 0)
+    # delta = rowsum(dO * O) in fp32 over the routed pairs (dO as staged: zero elsewhere)
+    _, row64_b, head_b, ok_b = _pairs(tile, S_q, G, gl.SliceLayout(1, blk), PAIRS, HALF * ROWS, ROWS)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    o_ptr = O + gl.expand_dims(o_base + row64_b * so_s + head_b * so_h, 1) + gl.expand_dims(cols, 0)
+    o = gl.load(o_ptr, mask=gl.expand_dims(ok_b, 1) & gl.expand_dims(cols < D, 0), other=0.0)
+    do = do_rows.load(blk)
+    delta = gl.convert_layout(gl.sum(do.to(gl.float32) * o.to(gl.float32), axis=1), row_s)
+    delta = gl.where(routed, delta, 0.0)
+
+    cols_k = gl.arange(0, BLOCK_K, layout=col_s)
+    # the chunk IDs in the row layout of the gradient blocks (``_add_block``)
+    grad_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                          instr_shape=[16, GRAD_COLS, 16])
+    ids_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, grad_layout))
+    zero_s = gl.zeros([ROWS, BLOCK_K], gl.float32, layout=s_layout)
+    dq = gl.zeros([ROWS, D], gl.float32, layout=dq_layout)
+    n_chunks = gl.cdiv(count, BLOCK_K)
+    for j in range(n_chunks):
+        phase = j & 1
+        # the shared-memory views from a zero the compiler cannot prove: their wgmma
+        # descriptors are derived per chunk instead of hoisted out of the loop (and spilled)
+        z = j >> 30
+        q_all, do_all, k_smem_j, v_smem_j = q_smem.index(z), do_smem.index(z), k_smem.index(z), v_smem.index(z)
+        p_all, ds_all = p_smem.index(z), ds_smem.index(z)
+        q_rows = q_all.slice(HALF * ROWS, ROWS, dim=0)
+        do_rows = do_all.slice(HALF * ROWS, ROWS, dim=0)
+        my_p = p_all.slice(HALF * ROWS, ROWS, dim=0)
+        my_ds = ds_all.slice(HALF * ROWS, ROWS, dim=0)
+        u = j * BLOCK_K + cols_k
+        bits = gl.load(ROWBITS + union_base + u, mask=u < count, other=0)
+        mbarrier.wait(bars.index(K_READY), phase)
+        fence_async_shared()
+        scores = warpgroup_mma(q_rows, k_smem_j.permute([1, 0]), zero_s, use_acc=False, is_async=True)
+        scores = warpgroup_mma_wait(0, deps=[scores])
+        member = (((gl.expand_dims(bits, 0) >> gl.expand_dims(t_s, 1)) & 1) != 0) & gl.expand_dims(ok_s, 1)
+        p = gl.where(member, gl.exp2(scores * scale_log2 - gl.expand_dims(lse_log2, 1)), 0.0)
+        # the other consumer has read the previous chunk's P and dS (a fresh barrier counts
+        # as completed for parity 1): S above overlaps its last gradient block
+        mbarrier.wait(bars.index(PDS_READ), phase ^ 1)
+        my_p.store(p.to(k_smem_j.dtype))
+        mbarrier.wait(bars.index(V_READY), phase)  # S above overlaps the V gather
+        fence_async_shared()
+        dp = warpgroup_mma(do_rows, v_smem_j.permute([1, 0]), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma_wait(0, deps=[dp])
+        my_ds.store((p * (dp - gl.expand_dims(delta, 1))).to(k_smem_j.dtype))
+        fence_async_shared()  # the stores before the wgmma reads below
+        ids = _chunk_ids(UNION, union_base, j * BLOCK_K, count, ids_k)  # in flight during dQ
+        dq = warpgroup_mma(my_ds, k_smem_j, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq])
+        mbarrier.arrive(bars.index(KV_FREE), count=1)  # K and V of this chunk are read
+        mbarrier.arrive(bars.index(PDS_STORED), count=1)
+        mbarrier.wait(bars.index(PDS_STORED), phase)
+        if HALF == 0:
+            _add_block(DV, dk_base, sdk_s, ids, p_all.permute([1, 0]), do_all, 1.0, D, BLOCK_K, GRAD_COLS)
+        else:
+            _add_block(DK, dk_base, sdk_s, ids, ds_all.permute([1, 0]), q_all, scale, D, BLOCK_K, GRAD_COLS)
+        mbarrier.arrive(bars.index(PDS_READ), count=1)
+
+    cols_d = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
+    dq_off = gl.convert_layout(dq_base + row64 * sdq_s + head * sdq_h, gl.SliceLayout(1, dq_layout))
+    dq_ok = gl.convert_layout(ok_s, gl.SliceLayout(1, dq_layout))
+    gl.store(DQ + gl.expand_dims(dq_off, 1) + gl.expand_dims(cols_d, 0), (dq * scale).to(DQ.dtype.element_ty),
+             mask=gl.expand_dims(dq_ok, 1) & gl.expand_dims(cols_d < D, 0))
+
+
+@gluon.jit
+def qsa_backward_sm90_kernel(
+    Q, K, V, O, DO, LSE, UNION, COUNT, ROWBITS,
+    scale, scale_log2,
+    DQ, DK, DV,
+    sq_b, sq_s, sq_h,
+    sk_b, sk_s, sk_h,
+    sv_b, sv_s, sv_h,
+    so_b, so_s, so_h,
+    sdo_b, sdo_s, sdo_h,
+    sl_b, sl_h, sl_s,
+    sdq_b, sdq_s, sdq_h,
+    sdk_b, sdk_s, sdk_h,
+    S_q, N_TILES, UNION_WIDTH, HKV, G,
+    PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr,
+):
+    """``backward.py``'s ``qsa_backward_kernel`` (non-deterministic) for programs of 128
+    pairs: writes DQ (Q's dtype) and adds into DK/DV, fp32 ``[B, S_kv, Hkv, D]`` zeroed
+    accumulators (DV with DK's strides, unit stride along D). Unit stride along D and
+    int32 element offsets within a head. Grid ``(N_TILES, B * HKV)``; num_warps = 4."""
+    tile = gl.program_id(0)
+    pid = gl.program_id(1)
+    b64 = (pid // HKV).to(gl.int64)
+    g = pid % HKV
+    g0 = (g * G).to(gl.int64)
+    q_base = b64 * sq_b + g0 * sq_h
+    do_base = b64 * sdo_b + g0 * sdo_h
+    o_base = b64 * so_b + g0 * so_h
+    dq_base = b64 * sdq_b + g0 * sdq_h
+    lse_base = b64 * sl_b + g0 * sl_h
+    union_base = (b64 * N_TILES + tile) * UNION_WIDTH
+    count = gl.load(COUNT + b64 * N_TILES + tile)
+    kv_base_k = b64 * sk_b + g.to(gl.int64) * sk_h  # int64: the head stride times the head can pass int32
+    kv_base_v = b64 * sv_b + g.to(gl.int64) * sv_h
+    dk_base = b64 * sdk_b + g.to(gl.int64) * sdk_h
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    io_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAIRS, D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D], dtype)
+    pd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAIRS, BLOCK_K], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [1] + [PAIRS, D], io_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [1] + [PAIRS, D], io_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1] + [BLOCK_K, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1] + [BLOCK_K, D], kv_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [1] + [PAIRS, BLOCK_K], pd_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [1] + [PAIRS, BLOCK_K], pd_layout)
+    bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(3):  # completed by the producer's cp.async arrivals
+        mbarrier.init(bars.index(i), count=32 * PRODUCER_WARPS)
+    for i in gl.static_range(3, 6):  # one arrival per consumer
+        mbarrier.init(bars.index(i), count=2)
+
+    gl.warp_specialize([
+        (_consumer, (O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, bars,
+                     scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h, lse_base,
+                     sl_h, sl_s, dk_base, sdk_s, union_base, count, PAIRS, D, BLOCK_K, 0)),
+        (_consumer, (O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, bars,
+                     scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h, lse_base,
+                     sl_h, sl_s, dk_base, sdk_s, union_base, count, PAIRS, D, BLOCK_K, 1)),
+        (_producer, (Q, DO, LSE, K, V, UNION, q_smem, do_smem, k_smem, v_smem, bars,
+                     tile, S_q, G, q_base, sq_s, sq_h, do_base, sdo_s, sdo_h, lse_base, sl_h, sl_s,
+                     kv_base_k, kv_base_v, sk_s, sv_s, union_base, count, PAIRS, D, BLOCK_K)),
+    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
