@@ -3,6 +3,9 @@
 Both frameworks' default non-deterministic backward on sm_90 where
 ``qsa_triton.launch.backward_sm90_launch`` admits the operands; ``backward.py`` elsewhere and
 for the deterministic mode (measurements: docs/benchmarks.md, "Seventh session").
+EXPERIMENT (branch ``next/backward-sm90-v4``, not yet run on a GPU): the gradient blocks
+16 columns wide and added with v4 atomics, where main's form (32 columns, v2 atomics) was
+measured; ``bash scripts/gpu/session.sh sm90bwd`` compares it with ``backward.py``.
 
 The same program, unions and math as ``backward.py`` (non-deterministic mode: fp32 atomic
 dK/dV), split across warps as ``forward_sm90.py``. A 4-warp producer loads the program's Q
@@ -14,17 +17,18 @@ Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per 
    producer, which gathers the next chunk meanwhile,
 4. once both halves of P and dS are stored, builds one of the chunk's two [64 IDs, 256]
    gradient blocks over all 128 pairs, GRAD_COLS columns at a time with the next block's
-   product in flight while one is added (2 x 16 registers beside dQ's 128): the first
-   consumer dV = P^T dO, the second dK = scale * dS^T Q; each block is added to DV / DK
-   with relaxed fp32 atomics (pairs of adjacent columns per thread).
+   product in flight while one is added (2 x 8 registers beside dQ's 128): the first
+   consumer dV = P^T dO, the second dK = scale * dS^T Q; each block is moved within its
+   warps (shuffles) to runs of 4 adjacent columns per thread and added to DV / DK with
+   relaxed v4 fp32 atomics.
 The producer loads each chunk's IDs once for its K and V gathers, a chunk ahead; a consumer
 loads them for its adds while its dQ product runs, in the gradient blocks' row layout.
 The S, dP and dQ products are at least m64n64 (docs/design-token-gather.md: the register
 and shared memory budget). The loop takes its shared-memory views afresh per chunk, from an index
 that is zero at run time but not provably so, which keeps ~70 wgmma descriptors from
-being hoisted out of the loop and spilled (sm_90a, triton 3.6 and its ptxas: 92 bytes of
+being hoisted out of the loop and spilled (sm_90a, triton 3.6 and its ptxas: 64 bytes of
 spills instead of ~1.9 KB). ptxas serializes the wgmma for want of registers (warning
-C7512) when fed triton 3.9's PTX, or with two 64-column gradient blocks in flight: check
+C7512) when fed triton 3.9's PTX, or with two 32-column blocks in flight and v4 adds: check
 ``ptxas -v`` for the triton a measurement uses. Each chunk's dK/dV rows are added once per
 program, as in ``backward.py``. Its dQ sums the chunks in ``backward.py``'s order at 64-ID
 chunks.
@@ -51,7 +55,7 @@ PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(48)
 CONSUMER_REGS = gl.constexpr(232)
 SUB_ROWS = gl.constexpr(16)  # K/V rows per producer gather step
-GRAD_COLS = gl.constexpr(32)  # columns of a gradient block (two in flight: 2 x 16 registers)
+GRAD_COLS = gl.constexpr(16)  # columns of a gradient block (two in flight: 2 x 8 registers)
 LOG2E = gl.constexpr(1.4426950408889634)
 
 # barriers (indices into ``bars``): Q/dO loaded, K ready, V ready, K/V free, P/dS stored
@@ -116,6 +120,17 @@ def _gather_rows(smem, base, stride, ids0, ids1, ids2, ids3, cols):
         _gather_to_shared(smem.slice(r * SUB_ROWS, SUB_ROWS, dim=0), ptr)
 
 
+@gluon.constexpr_function
+def _add_layout(rows, cols):
+    """The m64nN wgmma accumulator's layout on 4 warps ([rows, cols] = [64, N], N >= 16),
+    with the lane bit of column 2 and the register bit of column 8 swapped: each thread
+    holds runs of 4 adjacent columns (one v4 fp32 atomic each), each warp the same 16 rows."""
+    reg = [[0, 1], [0, 2], [8, 0]] + [[0, 1 << b] for b in range(4, cols.bit_length() - 1)]
+    lane = [[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]]
+    warp = [[16, 0], [32, 0]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, cols])
+
+
 @gluon.jit
 def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, factor,
                D: gl.constexpr, BLOCK_K: gl.constexpr, COLS: gl.constexpr):
@@ -125,8 +140,12 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, factor,
     nw: gl.constexpr = gl.num_warps()
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
                                                          instr_shape=[16, COLS, 16])
-    rows = gl.convert_layout(ids, gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
+    # the adds' layout: each warp keeps the accumulator's 16 rows, 4 adjacent columns per
+    # thread (the conversion stays within each warp: shuffles, no shared memory), so each
+    # add is a v4 fp32 atomic
+    add_layout: gl.constexpr = _add_layout(BLOCK_K, COLS)
+    rows = gl.convert_layout(ids, gl.SliceLayout(1, add_layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, add_layout))
     zero = gl.zeros([BLOCK_K, COLS], gl.float32, layout=acc_layout)
     # block h + 1's product runs while block h is added
     block = warpgroup_mma(a_t, b_smem.slice(0, COLS, dim=1), zero, use_acc=False, is_async=True)
@@ -139,7 +158,8 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, factor,
         # the block's column offset goes into the row pointers, so the [BLOCK_K, COLS]
         # offsets are one loop-invariant set of int32 columns, not one int64 set per block
         row_ptr = ACC + (acc_base + h * COLS) + rows * sdk_s
-        gl.atomic_add(gl.expand_dims(row_ptr, 1) + gl.expand_dims(cols, 0), block * factor, sem="relaxed")
+        gl.atomic_add(gl.expand_dims(row_ptr, 1) + gl.expand_dims(cols, 0),
+                      gl.convert_layout(block * factor, add_layout), sem="relaxed")
         if h + 1 < D // COLS:
             block = nxt
 
@@ -177,10 +197,8 @@ def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_sme
     delta = gl.where(routed, delta, 0.0)
 
     cols_k = gl.arange(0, BLOCK_K, layout=col_s)
-    # the chunk IDs in the row layout of the gradient blocks (``_add_block``)
-    grad_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                          instr_shape=[16, GRAD_COLS, 16])
-    ids_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, grad_layout))
+    # the chunk IDs in the row layout of the gradient blocks' adds (``_add_block``)
+    ids_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _add_layout(BLOCK_K, GRAD_COLS)))
     zero_s = gl.zeros([ROWS, BLOCK_K], gl.float32, layout=s_layout)
     dq = gl.zeros([ROWS, D], gl.float32, layout=dq_layout)
     n_chunks = gl.cdiv(count, BLOCK_K)
