@@ -6,7 +6,8 @@ fp32 online softmax in the log2 domain), split across warps as in FlashAttention
 FlashMLA: a 4-warp producer partition gathers each chunk's K and V rows with cp.async
 into a ring of STAGES shared-memory buffers and signals an mbarrier per buffer (one
 ``cp.async.mbarrier.arrive.noinc`` per producer thread, so a barrier completes when all
-of the chunk's copies have landed); two consumer partitions of one warpgroup each (64
+of the chunk's copies have landed), having loaded the chunk's IDs while it waited for the
+buffer; two consumer partitions of one warpgroup each (64
 matrix rows apiece) run the wgmma products and the softmax, and release each buffer with
 one arrival each once their products are done. Gathers of chunk j + 1 thus overlap the
 products of chunk j, and the two consumers, synchronised only through the buffers, drift
@@ -82,17 +83,21 @@ def _producer(Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
     async_copy.mbarrier_arrive(ready.index(2 * STAGES), increment_count=False)
     rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, blk))
     n_chunks = gl.cdiv(count, BLOCK_K)
+    # each chunk's IDs are loaded a chunk ahead, before the wait for its buffer, so a freed
+    # buffer's gathers start at once (past the last chunk they repeat IDs of the union: in
+    # bounds, never used)
+    ids = _chunk_ids(UNION, union_base, 0, count, rows)
     for j in range(n_chunks):
         s = j % STAGES
         # a fresh barrier counts as released for parity 1: the first STAGES waits pass
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-        ids = _chunk_ids(UNION, union_base, j * BLOCK_K, count, rows)
         k_ptr = K + kv_base_k + gl.expand_dims(ids * sk_s, 1) + gl.expand_dims(cols, 0)
         _gather_to_shared(k_bufs.index(s), k_ptr)
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
         v_ptr = V + kv_base_v + gl.expand_dims(ids * sv_s, 1) + gl.expand_dims(cols, 0)
         _gather_to_shared(v_bufs.index(s), v_ptr)
         async_copy.mbarrier_arrive(ready.index(STAGES + s), increment_count=False)
+        ids = _chunk_ids(UNION, union_base, (j + 1) * BLOCK_K, count, rows)
 
 
 @gluon.jit

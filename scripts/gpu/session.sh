@@ -17,6 +17,7 @@
 #   main's whole GPU check, no timing (carry .whl): bash scripts/gpu/session.sh complete
 #   the side-by-side timing, both head configs (carry .whl): bash scripts/gpu/session.sh final
 #   torch's host time per step, S=8192 beside dense (carry .whl): bash scripts/gpu/session.sh host
+#   the Hopper forward against forward.py (carry .whl):    bash scripts/gpu/session.sh sm90fwd
 #   the Hopper backward against backward.py (carry .whl):  bash scripts/gpu/session.sh sm90bwd
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
@@ -26,7 +27,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90bwd or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90fwd, sm90bwd or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -163,6 +164,19 @@ host)
     --backends torch-dense-sdpa,triton,jax-triton --time-budget 100 --out "$R/bench"
   alone gpu_tests 280 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_triton_qsa.py \
     tests/test_torch_api.py
+  ;;
+sm90fwd)
+  # the Hopper forward against forward.py (the branch next/forward-sm90-prefetch: its
+  # producer loads each chunk's IDs a chunk ahead): the probe alone, the benchmark alone,
+  # then the forward's GPU tests beside memcheck
+  alone probe 130 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe" --seq-lens 32768 131072 \
+    --overlaps 0.3 0.8 --budget-s 110
+  alone bench 110 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
+    --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench"
+  beside gpu_tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_forward_sm90.py tests/test_triton_qsa.py
+  beside sanitize_triton 200 compute-sanitizer --tool memcheck --print-limit 30 \
+    python3 scripts/gpu/check_triton.py --sanitizer-probe
+  wait
   ;;
 sm90bwd)
   # the Hopper backward (the default non-deterministic backward on sm_90) against backward.py:
