@@ -19,6 +19,7 @@
 #   torch's host time per step, S=8192 beside dense (carry .whl): bash scripts/gpu/session.sh host
 #   the Hopper forward against forward.py (carry .whl):    bash scripts/gpu/session.sh sm90fwd
 #   the Hopper backward against backward.py (carry .whl):  bash scripts/gpu/session.sh sm90bwd
+#   both Hopper experiments (branch next/sm90-next, carry .whl): bash scripts/gpu/session.sh sm90next
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -27,7 +28,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90fwd, sm90bwd or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90fwd, sm90bwd, sm90next or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -174,6 +175,22 @@ sm90fwd)
   alone bench 110 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
     --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench"
   beside gpu_tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_forward_sm90.py tests/test_triton_qsa.py
+  beside sanitize_triton 200 compute-sanitizer --tool memcheck --print-limit 30 \
+    python3 scripts/gpu/check_triton.py --sanitizer-probe
+  wait
+  ;;
+sm90next)
+  # both Hopper experiments of the seventh session (branch next/sm90-next: the forward's
+  # IDs a chunk ahead, the backward's v4 adds), each against its tl kernel, then the
+  # benchmark, then the GPU tests of both frameworks' Triton paths beside memcheck
+  alone probe_forward 130 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe_forward" --seq-lens 32768 \
+    --overlaps 0.3 0.8 --budget-s 110
+  alone probe_backward 250 python3 scripts/gpu/probe_backward_sm90.py --out "$R/probe_backward" --budget-s 230 \
+    --timeout-s 120
+  alone bench 110 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
+    --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench"
+  beside gpu_tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_forward_sm90.py \
+    tests/test_backward_sm90.py tests/test_triton_qsa.py tests/test_jax_triton.py
   beside sanitize_triton 200 compute-sanitizer --tool memcheck --print-limit 30 \
     python3 scripts/gpu/check_triton.py --sanitizer-probe
   wait
