@@ -3,7 +3,7 @@
 Both frameworks' default non-deterministic backward on sm_90 where
 ``qsa_triton.launch.backward_sm90_launch`` admits the operands; ``backward.py`` elsewhere and
 for the deterministic mode (measurements: docs/benchmarks.md, "Seventh session").
-EXPERIMENT (branch ``next/backward-sm90-v4``, not yet run on a GPU): the gradient blocks
+EXPERIMENT (branch ``next/sm90-next``, not yet run on a GPU): the gradient blocks
 16 columns wide and added with v4 atomics, where main's form (32 columns, v2 atomics) was
 measured; ``bash scripts/gpu/session.sh sm90bwd`` compares it with ``backward.py``.
 
@@ -138,6 +138,7 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, factor,
     ``a_t`` [BLOCK_K, PAIRS] (P^T or dS^T, a transposed view), B ``b_smem`` [PAIRS, D] (dO
     or Q). IDs past the union's count repeat routed IDs and add rows of zeros."""
     nw: gl.constexpr = gl.num_warps()
+    gl.static_assert(nw == 4 and BLOCK_K == 64 and COLS >= 16, "_add_layout is built for 4 warps, 64 IDs")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
                                                          instr_shape=[16, COLS, 16])
     # the adds' layout: each warp keeps the accumulator's 16 rows, 4 adjacent columns per
