@@ -1,14 +1,15 @@
 """Backward kernel for Hopper (sm_90a) in Gluon: warp-specialized token gathers, 64-ID chunks.
 
-Both frameworks' default non-deterministic backward on sm_90 where
-``qsa_triton.launch.backward_sm90_launch`` admits the operands; ``backward.py`` elsewhere and
-for the deterministic mode (measurements: docs/benchmarks.md, "Seventh session").
-EXPERIMENT (branch ``next/sm90-next``, not yet run on a GPU): the gradient blocks
+Both frameworks' backward on sm_90 where ``qsa_triton.launch.backward_sm90_launch`` admits
+the operands, ``backward.py`` elsewhere (measurements: docs/benchmarks.md, "Seventh
+session"). EXPERIMENT (branch ``next/sm90-next``, not yet run on a GPU): the gradient blocks
 16 columns wide and added with v4 atomics, where main's form (32 columns, v2 atomics) was
-measured; ``bash scripts/gpu/session.sh sm90bwd`` compares it with ``backward.py``.
+measured, and the deterministic mode, which main leaves to ``backward.py``; ``bash
+scripts/gpu/session.sh sm90next`` compares both with ``backward.py``.
 
-The same program, unions and math as ``backward.py`` (non-deterministic mode: fp32 atomic
-dK/dV), split across warps as ``forward_sm90.py``. A 4-warp producer loads the program's Q
+The same program, unions and math as ``backward.py``: fp32 atomic dK/dV, or with
+DETERMINISTIC its int64 fixed-point sums (``fixed_point.py``: the same scale, rounding and
+poisoning rule), split across warps as ``forward_sm90.py``. A 4-warp producer loads the program's Q
 and dO once, then gathers each 64-ID chunk's K and V rows with cp.async into one stage.
 Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per chunk each
 1. computes S = Q K^T, P, dP = dO V^T and dS for its pairs ([64, 64] fp32 each),
@@ -57,6 +58,11 @@ CONSUMER_REGS = gl.constexpr(232)
 SUB_ROWS = gl.constexpr(16)  # K/V rows per producer gather step
 GRAD_COLS = gl.constexpr(16)  # columns of a gradient block (two in flight: 2 x 8 registers)
 LOG2E = gl.constexpr(1.4426950408889634)
+# qsa_triton.fixed_point's constants: its conversion kernel undoes these kernels' scaling
+FIX_TARGET = gl.constexpr(61)
+FIX_E_MAX = gl.constexpr(126)
+FIX_E_LIMIT = gl.constexpr(127)
+FIX_E_ZERO = gl.constexpr(-(1 << 20))
 
 # barriers (indices into ``bars``): Q/dO loaded, K ready, V ready, K/V free, P/dS stored
 # (both halves), P/dS read (both gradient blocks)
@@ -120,6 +126,36 @@ def _gather_rows(smem, base, stride, ids0, ids1, ids2, ids3, cols):
         _gather_to_shared(smem.slice(r * SUB_ROWS, SUB_ROWS, dim=0), ptr)
 
 
+@gluon.jit
+def _ceil_log2(x):
+    """``qsa_triton.fixed_point._ceil_log2`` of an fp32 scalar: ceil(log2 x) from its bits
+    (-126 for subnormals, FIX_E_ZERO for zero)."""
+    bits = x.to(gl.int32, bitcast=True)
+    expo = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    e = gl.where(mant != 0, expo - 126, expo - 127)
+    return gl.where(expo == 0, gl.where(mant == 0, FIX_E_ZERO, -126), e)
+
+
+@gluon.jit
+def _fixed_point_factor(MAXIMA, BOUND_K, BOUND_V, FOR_K: gl.constexpr):
+    """2**e (fp32) of dK (FOR_K) or dV, exactly ``qsa_triton.fixed_point.fixed_point_factors``'
+    (the same exponents from the same MAXIMA and bounds, which its conversion kernel
+    inverts); 0 where the bound is refused (the conversion writes NaN there)."""
+    m_q = gl.load(MAXIMA)
+    m_do = gl.load(MAXIMA + 1)
+    m_v = gl.load(MAXIMA + 2)
+    finite = ((((m_q.to(gl.int32, bitcast=True) >> 23) & 0xFF) != 0xFF)
+              & (((m_do.to(gl.int32, bitcast=True) >> 23) & 0xFF) != 0xFF)
+              & (((m_v.to(gl.int32, bitcast=True) >> 23) & 0xFF) != 0xFF))
+    if FOR_K:
+        big = BOUND_K + _ceil_log2(m_q) + _ceil_log2(m_do) + _ceil_log2(m_v)
+    else:
+        big = BOUND_V + _ceil_log2(m_do)
+    e = gl.maximum(gl.minimum(FIX_TARGET - big, FIX_E_MAX), -126)
+    return gl.where(finite & (big <= FIX_E_LIMIT), ((e + 127) << 23).to(gl.float32, bitcast=True), 0.0)
+
+
 @gluon.constexpr_function
 def _add_layout(rows, cols):
     """The m64nN wgmma accumulator's layout on 4 warps ([rows, cols] = [64, N], N >= 16),
@@ -132,11 +168,14 @@ def _add_layout(rows, cols):
 
 
 @gluon.jit
-def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, factor,
-               D: gl.constexpr, BLOCK_K: gl.constexpr, COLS: gl.constexpr):
-    """ACC[id_u, :] += factor * (A^T B)[u, :] for the chunk's IDs, COLS columns at a time:
+def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
+               D: gl.constexpr, BLOCK_K: gl.constexpr, COLS: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """ACC[id_u, :] += scale * (A^T B)[u, :] for the chunk's IDs, COLS columns at a time:
     ``a_t`` [BLOCK_K, PAIRS] (P^T or dS^T, a transposed view), B ``b_smem`` [PAIRS, D] (dO
-    or Q). IDs past the union's count repeat routed IDs and add rows of zeros."""
+    or Q). IDs past the union's count repeat routed IDs and add rows of zeros. With
+    DETERMINISTIC, ACC holds int64 sums: each scaled product times ``factor`` (the
+    fixed-point scale 2**e) rounded to the nearest integer, ties to even, as
+    ``backward.py`` rounds them (``fixed_point.add_fixed``)."""
     nw: gl.constexpr = gl.num_warps()
     gl.static_assert(nw == 4 and BLOCK_K == 64 and COLS >= 16, "_add_layout is built for 4 warps, 64 IDs")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
@@ -159,17 +198,27 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, factor,
         # the block's column offset goes into the row pointers, so the [BLOCK_K, COLS]
         # offsets are one loop-invariant set of int32 columns, not one int64 set per block
         row_ptr = ACC + (acc_base + h * COLS) + rows * sdk_s
-        gl.atomic_add(gl.expand_dims(row_ptr, 1) + gl.expand_dims(cols, 0),
-                      gl.convert_layout(block * factor, add_layout), sem="relaxed")
+        if DETERMINISTIC:
+            # 64-bit adds have no vector form: each in the accumulator's own layout
+            fixed = gl.inline_asm_elementwise("cvt.rni.s64.f32 $0, $1;", "=l,f", [block * scale * factor],
+                                              dtype=gl.int64, is_pure=True, pack=1)
+            acc_rows = gl.convert_layout(rows, gl.SliceLayout(1, acc_layout))
+            acc_cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
+            acc_ptr = ACC + (acc_base + h * COLS) + acc_rows * sdk_s
+            gl.atomic_add(gl.expand_dims(acc_ptr, 1) + gl.expand_dims(acc_cols, 0), fixed, sem="relaxed")
+        else:
+            gl.atomic_add(gl.expand_dims(row_ptr, 1) + gl.expand_dims(cols, 0),
+                          gl.convert_layout(block * scale, add_layout), sem="relaxed")
         if h + 1 < D // COLS:
             block = nxt
 
 
 @gluon.jit
-def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, bars,
-              scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h, lse_base, sl_h, sl_s,
-              dk_base, sdk_s, union_base, count,
-              PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, HALF: gl.constexpr):
+def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem,
+              ds_smem, bars, scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h, lse_base,
+              sl_h, sl_s, dk_base, sdk_s, union_base, count, BOUND_K, BOUND_V,
+              PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, HALF: gl.constexpr,
+              DETERMINISTIC: gl.constexpr):
     """Pairs [HALF * 64, HALF * 64 + 64) of the program, on one warpgroup; the chunks' dV
     blocks where HALF is 0, their dK blocks where it is 1."""
     nw: gl.constexpr = gl.num_warps()
@@ -202,6 +251,15 @@ def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_sme
     ids_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _add_layout(BLOCK_K, GRAD_COLS)))
     zero_s = gl.zeros([ROWS, BLOCK_K], gl.float32, layout=s_layout)
     dq = gl.zeros([ROWS, D], gl.float32, layout=dq_layout)
+    # dV = P^T dO, dK = scale * dS^T Q; with DETERMINISTIC int64 sums (in any 32-bit-word
+    # buffer: JAX has no int64 without x64) of the products scaled by 2**e
+    if HALF == 0:
+        acc = DV.to(gl.pointer_type(gl.int64)) if DETERMINISTIC else DV
+        block_scale = 1.0
+    else:
+        acc = DK.to(gl.pointer_type(gl.int64)) if DETERMINISTIC else DK
+        block_scale = scale
+    factor = _fixed_point_factor(MAXIMA, BOUND_K, BOUND_V, HALF == 1) if DETERMINISTIC else 1.0
     n_chunks = gl.cdiv(count, BLOCK_K)
     for j in range(n_chunks):
         phase = j & 1
@@ -239,11 +297,21 @@ def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_sme
         mbarrier.arrive(bars.index(PDS_STORED), count=1)
         mbarrier.wait(bars.index(PDS_STORED), phase)
         if HALF == 0:
-            _add_block(DV, dk_base, sdk_s, ids, p_all.permute([1, 0]), do_all, 1.0, D, BLOCK_K, GRAD_COLS)
+            _add_block(acc, dk_base, sdk_s, ids, p_all.permute([1, 0]), do_all, block_scale, factor, D, BLOCK_K,
+                       GRAD_COLS, DETERMINISTIC)
         else:
-            _add_block(DK, dk_base, sdk_s, ids, ds_all.permute([1, 0]), q_all, scale, D, BLOCK_K, GRAD_COLS)
+            _add_block(acc, dk_base, sdk_s, ids, ds_all.permute([1, 0]), q_all, block_scale, factor, D, BLOCK_K,
+                       GRAD_COLS, DETERMINISTIC)
         mbarrier.arrive(bars.index(PDS_READ), count=1)
 
+    if DETERMINISTIC:
+        # a non-finite P or dS of these pairs reaches their dQ (dQ += dS K; 0 * inf is NaN
+        # too) and may have reached the dK/dV sums, which the rounding to int64 cannot
+        # carry: FLAG makes the conversion write NaN (qsa_triton.fixed_point)
+        poisoned = gl.sum(dq * 0.0, axis=1)
+        flag_layout: gl.constexpr = gl.SliceLayout(1, dq_layout)
+        gl.store(FLAG + gl.zeros([ROWS], gl.int32, layout=flag_layout),
+                 gl.full([ROWS], 1, gl.int32, layout=flag_layout), mask=poisoned != poisoned)
     cols_d = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
     dq_off = gl.convert_layout(dq_base + row64 * sdq_s + head * sdq_h, gl.SliceLayout(1, dq_layout))
     dq_ok = gl.convert_layout(ok_s, gl.SliceLayout(1, dq_layout))
@@ -253,9 +321,9 @@ def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_sme
 
 @gluon.jit
 def qsa_backward_sm90_kernel(
-    Q, K, V, O, DO, LSE, UNION, COUNT, ROWBITS,
+    Q, K, V, O, DO, LSE, UNION, COUNT, ROWBITS, MAXIMA,
     scale, scale_log2,
-    DQ, DK, DV,
+    DQ, DK, DV, FLAG,
     sq_b, sq_s, sq_h,
     sk_b, sk_s, sk_h,
     sv_b, sv_s, sv_h,
@@ -264,13 +332,18 @@ def qsa_backward_sm90_kernel(
     sl_b, sl_h, sl_s,
     sdq_b, sdq_s, sdq_h,
     sdk_b, sdk_s, sdk_h,
-    S_q, N_TILES, UNION_WIDTH, HKV, G,
-    PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr,
+    S_q, N_TILES, UNION_WIDTH, HKV, G, BOUND_K, BOUND_V,
+    PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, DETERMINISTIC: gl.constexpr,
 ):
-    """``backward.py``'s ``qsa_backward_kernel`` (non-deterministic) for programs of 128
-    pairs: writes DQ (Q's dtype) and adds into DK/DV, fp32 ``[B, S_kv, Hkv, D]`` zeroed
-    accumulators (DV with DK's strides, unit stride along D). Unit stride along D and
-    int32 element offsets within a head. Grid ``(N_TILES, B * HKV)``; num_warps = 4."""
+    """``backward.py``'s ``qsa_backward_kernel`` for programs of 128 pairs: writes DQ (Q's
+    dtype) and adds into DK/DV, zeroed ``[B, S_kv, Hkv, D]`` accumulators (DV with DK's
+    strides, unit stride along D): fp32, or with DETERMINISTIC int64 fixed-point sums
+    (``qsa_triton.fixed_point``; held in any 32-bit-word buffer, strides counting int64
+    elements), scaled from MAXIMA (fp32 [3]) and BOUND_K / BOUND_V as ``backward.py``
+    scales them, FLAG (int32 [1], zero on entry) set where a pair's dQ is non-finite.
+    MAXIMA, BOUND_K, BOUND_V and FLAG are read or written only with DETERMINISTIC. Unit
+    stride along D and int32 element offsets within a head. Grid ``(N_TILES, B * HKV)``;
+    num_warps = 4."""
     tile = gl.program_id(0)
     pid = gl.program_id(1)
     b64 = (pid // HKV).to(gl.int64)
@@ -304,12 +377,14 @@ def qsa_backward_sm90_kernel(
         mbarrier.init(bars.index(i), count=2)
 
     gl.warp_specialize([
-        (_consumer, (O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, bars,
-                     scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h, lse_base,
-                     sl_h, sl_s, dk_base, sdk_s, union_base, count, PAIRS, D, BLOCK_K, 0)),
-        (_consumer, (O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, bars,
-                     scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h, lse_base,
-                     sl_h, sl_s, dk_base, sdk_s, union_base, count, PAIRS, D, BLOCK_K, 1)),
+        (_consumer, (O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem,
+                     ds_smem, bars, scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h,
+                     lse_base, sl_h, sl_s, dk_base, sdk_s, union_base, count, BOUND_K, BOUND_V, PAIRS, D, BLOCK_K,
+                     0, DETERMINISTIC)),
+        (_consumer, (O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem,
+                     ds_smem, bars, scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h,
+                     lse_base, sl_h, sl_s, dk_base, sdk_s, union_base, count, BOUND_K, BOUND_V, PAIRS, D, BLOCK_K,
+                     1, DETERMINISTIC)),
         (_producer, (Q, DO, LSE, K, V, UNION, q_smem, do_smem, k_smem, v_smem, bars,
                      tile, S_q, G, q_base, sq_s, sq_h, do_base, sdo_s, sdo_h, lse_base, sl_h, sl_s,
                      kv_base_k, kv_base_v, sk_s, sv_s, union_base, count, PAIRS, D, BLOCK_K)),

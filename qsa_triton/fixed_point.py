@@ -1,7 +1,8 @@
 """Fixed-point dK/dV of the deterministic backward: the scale, the rounding, the conversion back.
 
-The deterministic backward (``backward.py`` with ``DETERMINISTIC``) is the fused backward
-with one change: each program's fp32 dK/dV block contributions are multiplied by a power of
+The deterministic backward (``backward.py`` with ``DETERMINISTIC``, and on Hopper
+``backward_sm90.py`` with it, which repeats this module's exponents in Gluon) is the fused
+backward with one change: each program's fp32 dK/dV block contributions are multiplied by a power of
 two ``2**e`` (exact in fp32), rounded to the nearest integer (ties to even), and added with
 int64 atomics. Integer addition is associative, so the sums do not depend on the order in
 which the GPU runs the atomics: dK/dV are bitwise reproducible, and equal across frameworks

@@ -258,12 +258,15 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
 
 
 def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
-                         union_shape: tuple[int, int, int], scale: float, dtype: str) -> Launch | None:
-    """:func:`backward_launch` (non-deterministic) for the warp-specialized Hopper kernel
-    (``backward_sm90.py``; torch's and JAX's default non-deterministic backward on sm_90),
-    or None outside the scope of :func:`forward_sm90_launch` (plus O and dO with unit
-    stride along D and strides that are multiples of 16). Outputs: DQ like q in
-    ``dtype``, DK and DV fp32 zeroed."""
+                         union_shape: tuple[int, int, int], scale: float, dtype: str, *,
+                         deterministic: bool = False) -> Launch | None:
+    """:func:`backward_launch` for the warp-specialized Hopper kernel (``backward_sm90.py``;
+    torch's and JAX's backward on sm_90), or None outside the scope of
+    :func:`forward_sm90_launch` (plus O and dO with unit stride along D and strides that
+    are multiples of 16). The same inputs and outputs as :func:`backward_launch`'s: DQ like
+    q in ``dtype``; DK and DV fp32 zeroed, or (``deterministic``) int64 fixed-point sums
+    allocated as int32 ``[B, S_kv, Hkv, D, 2]`` that :func:`fixed_point_launch` converts;
+    MAXIMA read and FLAG written only when deterministic."""
     if forward_sm90_launch(plan, q, k, v, union_shape, scale, dtype) is None:
         return None
     # the backward's programs must be the forward's (128 pairs each)
@@ -284,13 +287,21 @@ def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Oper
               + _strides("sl_", contiguous_strides((bsz, hq, s_q)), _BHS)
               + _strides("sdq_", contiguous_strides(dq_shape), _BSH)
               + _strides("sdk_", contiguous_strides(dk_shape), _BSH)
-              + [("S_q", s_q), ("N_TILES", n_tiles), ("UNION_WIDTH", width), ("HKV", hkv), ("G", plan.group),
-                 ("PAIRS", SM90_FORWARD_PAIRS), ("D", d), ("BLOCK_K", SM90_BACKWARD_BLOCK_K)])
+              + [("S_q", s_q), ("N_TILES", n_tiles), ("UNION_WIDTH", width), ("HKV", hkv), ("G", plan.group)])
+    if deterministic:
+        bounds = fixed_point_bounds(scale, s_q * plan.group, d)
+        accumulators = (Output("DK", dk_shape + (2,), "int32", zeroed=True),
+                        Output("DV", dk_shape + (2,), "int32", zeroed=True))
+    else:
+        bounds = (0, 0)
+        accumulators = (Output("DK", dk_shape, "float32", zeroed=True), Output("DV", dk_shape, "float32", zeroed=True))
+    params += [("BOUND_K", bounds[0]), ("BOUND_V", bounds[1]), ("PAIRS", SM90_FORWARD_PAIRS), ("D", d),
+               ("BLOCK_K", SM90_BACKWARD_BLOCK_K), ("DETERMINISTIC", deterministic)]
     return Launch(
-        "backward_sm90", (n_tiles, bsz * hkv), ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS"),
+        "backward_sm90", (n_tiles, bsz * hkv),
+        ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS", "MAXIMA"),
         (("scale", fp32(scale)), ("scale_log2", fp32(scale * LOG2E))),
-        (Output("DQ", dq_shape, dtype), Output("DK", dk_shape, "float32", zeroed=True),
-         Output("DV", dk_shape, "float32", zeroed=True)),
+        (Output("DQ", dq_shape, dtype), *accumulators, Output("FLAG", (1,), "int32", zeroed=True)),
         tuple(params), SM90_FORWARD_WARPS, 1)
 
 

@@ -63,15 +63,15 @@ def _run_both(t, routes, scale, group, device):
     ops = [(tuple(x.shape), x.stride()) for x in (t["q"], t["k"], t["v"], out, t["do"])]
     launch = spec.backward_sm90_launch(plan, *ops, tuple(tile.union.shape), scale, "bfloat16")
     assert launch is not None, "the probe's shapes are in backward_sm90's scope"
+    # MAXIMA is read by the deterministic kernels only (LSE stands in for it)
     arrays = dict(Q=t["q"], K=t["k"], V=t["v"], O=out, DO=t["do"], LSE=lse, UNION=tile.union, COUNT=tile.count,
-                  ROWBITS=tile.rowbits)
+                  ROWBITS=tile.rowbits, MAXIMA=lse)
     hopper = lambda: launcher.run(launch, arrays, device)  # noqa: E731
-    # backward.py's own launch (launcher.backward would take the sm90 kernel on this branch)
+    # backward.py's own launch (launcher.backward takes the sm90 kernel on sm_90)
     generic_launch = spec.backward_launch(plan, *ops, tuple(tile.union.shape), scale, "bfloat16", interpreted=False)
-    generic_arrays = dict(arrays, MAXIMA=lse)
 
     def generic():
-        got = launcher.run(generic_launch, generic_arrays, device)
+        got = launcher.run(generic_launch, arrays, device)
         return got["DQ"], got["DK"], got["DV"]
     return hopper, generic
 

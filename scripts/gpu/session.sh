@@ -19,7 +19,7 @@
 #   torch's host time per step, S=8192 beside dense (carry .whl): bash scripts/gpu/session.sh host
 #   the Hopper forward against forward.py (carry .whl):    bash scripts/gpu/session.sh sm90fwd
 #   the Hopper backward against backward.py (carry .whl):  bash scripts/gpu/session.sh sm90bwd
-#   both Hopper experiments (branch next/sm90-next, carry .whl): bash scripts/gpu/session.sh sm90next
+#   the Hopper experiments (branch next/sm90-next, carry .whl): bash scripts/gpu/session.sh sm90next, then sm90check
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -28,7 +28,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90fwd, sm90bwd, sm90next or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90fwd, sm90bwd, sm90next, sm90check or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -180,19 +180,25 @@ sm90fwd)
   wait
   ;;
 sm90next)
-  # both Hopper experiments of the seventh session (branch next/sm90-next: the forward's
-  # IDs a chunk ahead, the backward's v4 adds), each against its tl kernel, then the
-  # benchmark, then the GPU tests of both frameworks' Triton paths beside memcheck
+  # the seventh session's Hopper experiments (branch next/sm90-next: the forward's IDs a
+  # chunk ahead, the backward's v4 adds, its deterministic mode), each against its tl
+  # kernel, then the benchmark; sm90check runs the GPU tests and memcheck
   alone probe_forward 130 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe_forward" --seq-lens 32768 \
     --overlaps 0.3 0.8 --budget-s 110
   alone probe_backward 250 python3 scripts/gpu/probe_backward_sm90.py --out "$R/probe_backward" --budget-s 230 \
     --timeout-s 120
+  alone probe_deterministic 100 python3 scripts/gpu/probe_deterministic.py --out "$R/probe_deterministic"
   alone bench 110 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
     --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench"
-  beside gpu_tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_forward_sm90.py \
-    tests/test_backward_sm90.py tests/test_triton_qsa.py tests/test_jax_triton.py
+  ;;
+sm90check)
+  # the GPU checks of branch next/sm90-next (after sm90next, on the same machine if warm)
+  beside gpu_tests 260 python3 -m pytest -q -x -p no:cacheprovider tests/test_forward_sm90.py \
+    tests/test_backward_sm90.py tests/test_triton_qsa.py tests/test_triton_deterministic.py tests/test_jax_triton.py
   beside sanitize_triton 200 compute-sanitizer --tool memcheck --print-limit 30 \
     python3 scripts/gpu/check_triton.py --sanitizer-probe
+  beside sanitize_deterministic 200 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_deterministic" \
+    --sanitizer
   wait
   ;;
 sm90bwd)
