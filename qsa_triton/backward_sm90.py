@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .fixed_point import fixed_point_factors
 from .forward_sm90 import _chunk_ids, _gather_to_shared, _pairs
 
 PRODUCER_WARPS = gl.constexpr(4)
@@ -58,11 +59,6 @@ CONSUMER_REGS = gl.constexpr(232)
 SUB_ROWS = gl.constexpr(16)  # K/V rows per producer gather step
 GRAD_COLS = gl.constexpr(16)  # columns of a gradient block (two in flight: 2 x 8 registers)
 LOG2E = gl.constexpr(1.4426950408889634)
-# qsa_triton.fixed_point's constants: its conversion kernel undoes these kernels' scaling
-FIX_TARGET = gl.constexpr(61)
-FIX_E_MAX = gl.constexpr(126)
-FIX_E_LIMIT = gl.constexpr(127)
-FIX_E_ZERO = gl.constexpr(-(1 << 20))
 
 # barriers (indices into ``bars``): Q/dO loaded, K ready, V ready, K/V free, P/dS stored
 # (both halves), P/dS read (both gradient blocks)
@@ -124,36 +120,6 @@ def _gather_rows(smem, base, stride, ids0, ids1, ids2, ids3, cols):
         ids = ids0 if r == 0 else (ids1 if r == 1 else (ids2 if r == 2 else ids3))
         ptr = base + gl.expand_dims(ids * stride, 1) + gl.expand_dims(cols, 0)
         _gather_to_shared(smem.slice(r * SUB_ROWS, SUB_ROWS, dim=0), ptr)
-
-
-@gluon.jit
-def _ceil_log2(x):
-    """``qsa_triton.fixed_point._ceil_log2`` of an fp32 scalar: ceil(log2 x) from its bits
-    (-126 for subnormals, FIX_E_ZERO for zero)."""
-    bits = x.to(gl.int32, bitcast=True)
-    expo = (bits >> 23) & 0xFF
-    mant = bits & 0x7FFFFF
-    e = gl.where(mant != 0, expo - 126, expo - 127)
-    return gl.where(expo == 0, gl.where(mant == 0, FIX_E_ZERO, -126), e)
-
-
-@gluon.jit
-def _fixed_point_factor(MAXIMA, BOUND_K, BOUND_V, FOR_K: gl.constexpr):
-    """2**e (fp32) of dK (FOR_K) or dV, exactly ``qsa_triton.fixed_point.fixed_point_factors``'
-    (the same exponents from the same MAXIMA and bounds, which its conversion kernel
-    inverts); 0 where the bound is refused (the conversion writes NaN there)."""
-    m_q = gl.load(MAXIMA)
-    m_do = gl.load(MAXIMA + 1)
-    m_v = gl.load(MAXIMA + 2)
-    finite = ((((m_q.to(gl.int32, bitcast=True) >> 23) & 0xFF) != 0xFF)
-              & (((m_do.to(gl.int32, bitcast=True) >> 23) & 0xFF) != 0xFF)
-              & (((m_v.to(gl.int32, bitcast=True) >> 23) & 0xFF) != 0xFF))
-    if FOR_K:
-        big = BOUND_K + _ceil_log2(m_q) + _ceil_log2(m_do) + _ceil_log2(m_v)
-    else:
-        big = BOUND_V + _ceil_log2(m_do)
-    e = gl.maximum(gl.minimum(FIX_TARGET - big, FIX_E_MAX), -126)
-    return gl.where(finite & (big <= FIX_E_LIMIT), ((e + 127) << 23).to(gl.float32, bitcast=True), 0.0)
 
 
 @gluon.constexpr_function
@@ -259,7 +225,12 @@ def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem,
     else:
         acc = DK.to(gl.pointer_type(gl.int64)) if DETERMINISTIC else DK
         block_scale = scale
-    factor = _fixed_point_factor(MAXIMA, BOUND_K, BOUND_V, HALF == 1) if DETERMINISTIC else 1.0
+    if DETERMINISTIC:
+        # backward.py's scales (qsa_triton.fixed_point), which its conversion kernel inverts
+        fix_k, fix_v = fixed_point_factors(MAXIMA, BOUND_K, BOUND_V)
+        factor = fix_k if HALF == 1 else fix_v
+    else:
+        factor = 1.0
     n_chunks = gl.cdiv(count, BLOCK_K)
     for j in range(n_chunks):
         phase = j & 1

@@ -216,6 +216,18 @@ def forward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_sh
         tuple(params), SM90_FORWARD_WARPS, 1)
 
 
+def _gradient_accumulators(dk_shape: tuple[int, ...], scale: float, n_pairs: int,
+                           deterministic: bool) -> tuple[tuple[int, int], tuple[Output, Output]]:
+    """The backward kernels' ``(BOUND_K, BOUND_V)`` and DK / DV outputs: fp32 ``dk_shape``
+    (bounds unused, 0), or int64 fixed-point sums allocated as int32 ``dk_shape + (2,)``
+    with :func:`fixed_point_bounds`."""
+    if deterministic:
+        sums = dk_shape + (2,)
+        return (fixed_point_bounds(scale, n_pairs, dk_shape[3]),
+                (Output("DK", sums, "int32", zeroed=True), Output("DV", sums, "int32", zeroed=True)))
+    return (0, 0), (Output("DK", dk_shape, "float32", zeroed=True), Output("DV", dk_shape, "float32", zeroed=True))
+
+
 def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
                     union_shape: tuple[int, int, int], scale: float, dtype: str, *, interpreted: bool,
                     attempt: Attempt | None = None, deterministic: bool = False) -> Launch:
@@ -241,13 +253,7 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
                + _strides("sl_", contiguous_strides((bsz, hq, s_q)), _BHS)
                + _strides("sdq_", contiguous_strides(dq_shape), _BSHD) + _strides("sdk_", dk_strides, _BSH))
     offs32 = offsets_fit_int32(_kv_extents(k, v, (dk_shape, dk_strides)), plan.offset_limit)
-    if deterministic:
-        bounds = fixed_point_bounds(scale, s_q * plan.group, d)
-        accumulators = (Output("DK", dk_shape + (2,), "int32", zeroed=True),
-                        Output("DV", dk_shape + (2,), "int32", zeroed=True))
-    else:
-        bounds = (0, 0)
-        accumulators = (Output("DK", dk_shape, "float32", zeroed=True), Output("DV", dk_shape, "float32", zeroed=True))
+    bounds, accumulators = _gradient_accumulators(dk_shape, scale, s_q * plan.group, deterministic)
     tail = [("OFFS32", offs32), ("FOLD", fold), ("DETERMINISTIC", deterministic)]
     return Launch(
         "backward", grid, ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS", "MAXIMA"),
@@ -288,13 +294,7 @@ def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Oper
               + _strides("sdq_", contiguous_strides(dq_shape), _BSH)
               + _strides("sdk_", contiguous_strides(dk_shape), _BSH)
               + [("S_q", s_q), ("N_TILES", n_tiles), ("UNION_WIDTH", width), ("HKV", hkv), ("G", plan.group)])
-    if deterministic:
-        bounds = fixed_point_bounds(scale, s_q * plan.group, d)
-        accumulators = (Output("DK", dk_shape + (2,), "int32", zeroed=True),
-                        Output("DV", dk_shape + (2,), "int32", zeroed=True))
-    else:
-        bounds = (0, 0)
-        accumulators = (Output("DK", dk_shape, "float32", zeroed=True), Output("DV", dk_shape, "float32", zeroed=True))
+    bounds, accumulators = _gradient_accumulators(dk_shape, scale, s_q * plan.group, deterministic)
     params += [("BOUND_K", bounds[0]), ("BOUND_V", bounds[1]), ("PAIRS", SM90_FORWARD_PAIRS), ("D", d),
                ("BLOCK_K", SM90_BACKWARD_BLOCK_K), ("DETERMINISTIC", deterministic)]
     return Launch(
