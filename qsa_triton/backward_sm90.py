@@ -21,7 +21,8 @@ Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per 
    product in flight while one is added (2 x 8 registers beside dQ's 128): the first
    consumer dV = P^T dO, the second dK = scale * dS^T Q; each block is moved within its
    warps (shuffles) to runs of 4 adjacent columns per thread and added to DV / DK with
-   relaxed v4 fp32 atomics.
+   relaxed v4 fp32 atomics, or with DETERMINISTIC rounded to int64 in place and added
+   with scalar 64-bit atomics (64-bit adds have no vector form).
 The producer loads each chunk's IDs once for its K and V gathers, a chunk ahead; a consumer
 loads them for its adds while its dQ product runs, in the gradient blocks' row layout.
 The S, dP and dQ products are at least m64n64 (docs/design-token-gather.md: the register

@@ -1,5 +1,5 @@
-"""The warp-specialized Hopper backward (``qsa_triton.backward_sm90``: the default
-non-deterministic backward on sm_90); GPU only apart from its launch
+"""The warp-specialized Hopper backward (``qsa_triton.backward_sm90``: torch's and JAX's
+backward on sm_90, both modes); GPU only apart from its launch
 description (Gluon kernels do not run in Triton's interpreter)."""
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ def test_launch_scope():
     assert launch.arg_names() == fixed.arg_names() == tuple(spec.kernel(launch.kernel).arg_names)
 
 
+def _fresh_rng() -> np.random.Generator:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
 def _problem(heads, kind, rng):
     """Two batch rows of 700 rows, int64 routes (huge padding IDs included), an unrouted
     inf/NaN K/V row; the forward's output, LSE and unions from the launcher."""
@@ -99,7 +105,7 @@ def _oracle(routes, t):
 def test_gradients_match_the_oracle(heads, kind):
     """dQ/dK/dV within the contract's bf16 bound of the float64 oracle."""
     launcher = _hopper()
-    routes, x, t, plan, ops, tile, arrays = _problem(heads, kind, np.random.default_rng())
+    routes, x, t, plan, ops, tile, arrays = _problem(heads, kind, _fresh_rng())
     launch = spec.backward_sm90_launch(plan, *ops, tuple(tile.union.shape), 0.0625, "bfloat16")
     got = launcher.run(launch, arrays, t["q"].device)
     for name, w in zip(("DQ", "DK", "DV"), _oracle(routes, t)):
@@ -124,7 +130,7 @@ def test_deterministic_gradients_are_bitwise_reproducible(heads, kind):
     """The fixed-point form: dQ/dK/dV bitwise equal over three runs, within the bf16 bound
     of the float64 oracle, and within rounding of backward.py's fixed-point gradients."""
     launcher = _hopper()
-    routes, x, t, plan, ops, tile, arrays = _problem(heads, kind, np.random.default_rng())
+    routes, x, t, plan, ops, tile, arrays = _problem(heads, kind, _fresh_rng())
     arrays = dict(arrays, MAXIMA=launcher.input_maxima(t["q"], t["do"], t["v"], arrays["LSE"]))
     launch = spec.backward_sm90_launch(plan, *ops, tuple(tile.union.shape), 0.0625, "bfloat16", deterministic=True)
     runs = [_fixed_point_grads(launcher, launch, arrays, t, plan) for _ in range(3)]
@@ -146,10 +152,37 @@ def test_deterministic_poisoned_sums_come_out_nan():
     """A routed K row holding inf makes those pairs' dQ non-finite: the fixed-point sums
     cannot carry it, so dK and dV come out NaN everywhere (backward.py's rule), never finite."""
     launcher = _hopper()
-    routes, x, t, plan, ops, tile, arrays = _problem((24, 2), "qsa", np.random.default_rng())
+    routes, x, t, plan, ops, tile, arrays = _problem((24, 2), "qsa", _fresh_rng())
     routed = int(np.unique(routes[0][routes[0] > 0])[0])
     t["k"][0, routed, 1, 3] = float("inf")
     arrays = dict(arrays, MAXIMA=launcher.input_maxima(t["q"], t["do"], t["v"], arrays["LSE"]))
     launch = spec.backward_sm90_launch(plan, *ops, tuple(tile.union.shape), 0.0625, "bfloat16", deterministic=True)
     _, dk, dv = _fixed_point_grads(launcher, launch, arrays, t, plan)
     assert torch.isnan(dk).all() and torch.isnan(dv).all()
+
+
+@pytest.mark.gpu
+def test_deterministic_bits_do_not_depend_on_the_gradient_layout():
+    """Through the torch API: out.sum() (an expanded, stride-0 grad_out) and the same ones
+    as a dense tensor give bitwise equal fixed-point gradients (the kernel follows from
+    the shapes alone, as in JAX)."""
+    _hopper()
+    from qsa_torch.triton_qsa import triton_sparse_gqa_attention
+
+    rng = _fresh_rng()
+    seq, (hq, hkv) = 300, (24, 2)
+    routes = torch.from_numpy(family("qsa", width=260, top_k=64, overlap=0.8, rng=rng)(seq)[None]).cuda()
+    inputs = [torch.from_numpy(rng.standard_normal((1, seq, h, 256))).to("cuda", torch.bfloat16)
+              for h in (hq, hkv, hkv)]
+
+    def grads(expanded):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = triton_sparse_gqa_attention(*leaves, routes, 0.0625, deterministic=True)
+        if expanded:
+            out.sum().backward()  # grad_out: a stride-0 expand of one bf16 1.0
+        else:
+            out.backward(torch.ones_like(out))
+        return [x.grad for x in leaves]
+
+    for name, a, b in zip(("dq", "dk", "dv"), grads(True), grads(False)):
+        assert torch.equal(a, b), name
