@@ -6,12 +6,14 @@ fp32 online softmax in the log2 domain), split across warps as in FlashAttention
 FlashMLA: a 4-warp producer partition gathers each chunk's K and V rows with cp.async
 into a ring of STAGES shared-memory buffers and signals an mbarrier per buffer (one
 ``cp.async.mbarrier.arrive.noinc`` per producer thread, so a barrier completes when all
-of the chunk's copies have landed), having loaded the chunk's IDs while it waited for the
-buffer; two consumer partitions of one warpgroup each (64
-matrix rows apiece) run the wgmma products and the softmax, and release each buffer with
-one arrival each once their products are done. Gathers of chunk j + 1 thus overlap the
-products of chunk j, and the two consumers, synchronised only through the buffers, drift
-apart so that one's softmax overlaps the other's products.
+of the chunk's copies have landed), having loaded the chunk's IDs a chunk ahead; two
+consumer partitions of one warpgroup each (64 matrix rows apiece) run the wgmma products
+and the softmax, and release each K buffer once their scores are done and each V buffer
+once their P V product is, one arrival each. Gathers of chunk j + 1 (and the K rows of
+chunk j + 2, once both consumers' scores of chunk j are done) thus overlap the products of
+chunk j, and the two consumers, synchronised only through the buffers, drift apart so that
+one's softmax overlaps the other's products. EXPERIMENT (branch ``next/sm90-next``, not
+yet run on a GPU): the IDs a chunk ahead and the separate K / V releases.
 
 Scope (``qsa_triton.launch.forward_sm90_launch``): 16-bit inputs, D = 256 with unit
 stride along D, programs of PAIRS = 128 (row, head) pairs (flat, or padded tiles of all G
@@ -89,11 +91,13 @@ def _producer(Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
     ids = _chunk_ids(UNION, union_base, 0, count, rows)
     for j in range(n_chunks):
         s = j % STAGES
-        # a fresh barrier counts as released for parity 1: the first STAGES waits pass
+        # a fresh barrier counts as released for parity 1: the first STAGES waits pass; K and
+        # V buffers are released apart (K once both consumers' scores are done)
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
         k_ptr = K + kv_base_k + gl.expand_dims(ids * sk_s, 1) + gl.expand_dims(cols, 0)
         _gather_to_shared(k_bufs.index(s), k_ptr)
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        mbarrier.wait(empty.index(STAGES + s), ((j // STAGES) & 1) ^ 1)
         v_ptr = V + kv_base_v + gl.expand_dims(ids * sv_s, 1) + gl.expand_dims(cols, 0)
         _gather_to_shared(v_bufs.index(s), v_ptr)
         async_copy.mbarrier_arrive(ready.index(STAGES + s), increment_count=False)
@@ -135,6 +139,7 @@ def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2,
         k_buf = k_bufs.index(s)
         scores = warpgroup_mma(q_rows, k_buf.permute([1, 0]), zero_s, use_acc=False, is_async=True)
         scores = warpgroup_mma_wait(0, deps=[scores])
+        mbarrier.arrive(empty.index(s), count=1)  # K of this stage is read
         member = (((gl.expand_dims(bits, 0) >> gl.expand_dims(t_s, 1)) & 1) != 0) & gl.expand_dims(ok_s, 1)
         scores = gl.where(member, scores * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(scores, axis=1))
@@ -151,7 +156,7 @@ def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2,
         v_buf = v_bufs.index(s)
         acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(empty.index(s), count=1)
+        mbarrier.arrive(empty.index(STAGES + s), count=1)  # V of this stage is read
 
     # l_i is 0 exactly for a row without routes; NaN counts as routed (forward.py)
     has = l_i != 0.0
@@ -206,12 +211,13 @@ def qsa_forward_sm90_kernel(
     k_bufs = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_K, D], kv_layout)
     v_bufs = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_K, D], kv_layout)
     # ready: K of stage s, V of stage s (STAGES + s), Q (2 * STAGES); each completes on one
-    # noinc cp.async arrival per producer thread. empty: one arrival per consumer per stage.
+    # noinc cp.async arrival per producer thread. empty: K of stage s read (s), V of stage s
+    # read (STAGES + s), one arrival per consumer each.
     ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 1, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2 * STAGES + 1):
         mbarrier.init(ready.index(i), count=32 * PRODUCER_WARPS)
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(2 * STAGES):
         mbarrier.init(empty.index(i), count=2)
 
     gl.warp_specialize([
