@@ -671,6 +671,42 @@ def test_gluon_kernels_compile_through_jax_triton():
     assert got["own"] == "own" and got["seen"] == ["qsa_forward_kernel"]
 
 
+@pytest.mark.parametrize("heads", [(24, 2), (12, 1)])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("gluon, capability", [(True, (9, 0)), (False, (9, 0)), (True, (10, 0))])
+def test_backward_takes_the_hopper_kernel_where_it_launches(monkeypatch, heads, deterministic, gluon, capability):
+    """qsa_jax's backward, with the default Hopper plan (both head configurations the
+    benchmark times): the warp-specialized kernel where the launcher launches compiled
+    Gluon kernels on an sm_90 GPU and the mode is the default one; backward.py otherwise,
+    followed by the fixed-point conversion in the deterministic mode (kernels recorded by a
+    stand-in launcher)."""
+    from qsa_triton.config import default_block_sizes
+
+    seen = []
+
+    @dataclass(frozen=True)
+    class Launcher:
+        gluon: bool
+        interpreted: bool = False
+        max_grid_y: int = 65535
+
+        def __call__(self, launch, arrays):
+            seen.append(launch.kernel)
+            return {o.name: jnp.zeros(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs}
+
+    monkeypatch.setattr(jt, "gpu_capability", lambda x: capability)
+    (hq, hkv), seq = heads, 512
+    plan = make_plan(hq // hkv, 256, default_block_sizes((9, 0), 256, "bfloat16", 232448))
+    q, kv = jnp.zeros((1, seq, hq, 256), jnp.bfloat16), jnp.zeros((1, seq, hkv, 256), jnp.bfloat16)
+    n_tiles = plan.n_tiles(seq)
+    unions = (jnp.zeros((1, n_tiles, 2052), jnp.int32), jnp.zeros((1, n_tiles), jnp.int32),
+              jnp.zeros((1, n_tiles, 2052), jnp.int32))
+    jt._backward(q, kv, kv, q, jnp.zeros((1, hq, seq), jnp.float32), unions, q, 0.0625, plan, 512,
+                 Launcher(gluon), deterministic)
+    hopper = gluon and capability == (9, 0) and not deterministic
+    assert seen == (["backward_sm90"] if hopper else ["backward"] + (["fixed_point"] if deterministic else []))
+
+
 @pytest.mark.parametrize("gluon, interpreted, capability, want", [
     (True, False, (9, 0), "forward_sm90"), (False, False, (9, 0), "forward"), (True, True, (9, 0), "forward"),
     (True, False, (10, 0), "forward"), (True, False, None, "forward")])
