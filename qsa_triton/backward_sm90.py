@@ -2,7 +2,7 @@
 
 Both frameworks' default non-deterministic backward on sm_90 where
 ``qsa_triton.launch.backward_sm90_launch`` admits the operands; ``backward.py`` elsewhere and
-for the deterministic mode (measurements: docs/benchmarks.md, "Seventh session").
+for the deterministic mode.
 
 The same program, unions and math as ``backward.py`` (non-deterministic mode: fp32 atomic
 dK/dV), split across warps as ``forward_sm90.py``. A 4-warp producer loads the program's Q
@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .forward_sm90 import _chunk_ids, _gather_to_shared, _pairs
+from .forward_sm90 import _chunk_ids, _gather_to_shared, _pairs, _wgmma_layout
 
 PRODUCER_WARPS = gl.constexpr(4)
 # registers per thread (setmaxnreg): the producer gathers 16 rows at a time; a consumer holds
@@ -88,10 +88,7 @@ def _producer(Q, DO, LSE, K, V, UNION, q_smem, do_smem, k_smem, v_smem, bars,
     n_chunks = gl.cdiv(count, BLOCK_K)
     # each chunk's IDs are loaded once for its K and V gathers, one chunk ahead (past the
     # last chunk they repeat IDs of the union: in bounds, never used)
-    ids0 = _chunk_ids(UNION, union_base, 0 * SUB_ROWS, count, rows)
-    ids1 = _chunk_ids(UNION, union_base, 1 * SUB_ROWS, count, rows)
-    ids2 = _chunk_ids(UNION, union_base, 2 * SUB_ROWS, count, rows)
-    ids3 = _chunk_ids(UNION, union_base, 3 * SUB_ROWS, count, rows)
+    ids0, ids1, ids2, ids3 = _step_ids(UNION, union_base, 0, count, rows)
     for j in range(n_chunks):
         # a fresh barrier counts as completed for parity 1: the first wait passes
         mbarrier.wait(bars.index(KV_FREE), (j & 1) ^ 1)
@@ -99,11 +96,16 @@ def _producer(Q, DO, LSE, K, V, UNION, q_smem, do_smem, k_smem, v_smem, bars,
         async_copy.mbarrier_arrive(bars.index(K_READY), increment_count=False)
         _gather_rows(v_smem, V + kv_base_v, sv_s, ids0, ids1, ids2, ids3, cols)
         async_copy.mbarrier_arrive(bars.index(V_READY), increment_count=False)
-        nxt = (j + 1) * BLOCK_K
-        ids0 = _chunk_ids(UNION, union_base, nxt + 0 * SUB_ROWS, count, rows)
-        ids1 = _chunk_ids(UNION, union_base, nxt + 1 * SUB_ROWS, count, rows)
-        ids2 = _chunk_ids(UNION, union_base, nxt + 2 * SUB_ROWS, count, rows)
-        ids3 = _chunk_ids(UNION, union_base, nxt + 3 * SUB_ROWS, count, rows)
+        ids0, ids1, ids2, ids3 = _step_ids(UNION, union_base, (j + 1) * BLOCK_K, count, rows)
+
+
+@gluon.jit
+def _step_ids(UNION, union_base, start, count, rows):
+    """The IDs of the chunk at ``start``, SUB_ROWS (``rows``) per gather step, four steps."""
+    return (_chunk_ids(UNION, union_base, start, count, rows),
+            _chunk_ids(UNION, union_base, start + SUB_ROWS, count, rows),
+            _chunk_ids(UNION, union_base, start + 2 * SUB_ROWS, count, rows),
+            _chunk_ids(UNION, union_base, start + 3 * SUB_ROWS, count, rows))
 
 
 @gluon.jit
@@ -123,8 +125,7 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, factor,
     ``a_t`` [BLOCK_K, PAIRS] (P^T or dS^T, a transposed view), B ``b_smem`` [PAIRS, D] (dO
     or Q). IDs past the union's count repeat routed IDs and add rows of zeros."""
     nw: gl.constexpr = gl.num_warps()
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                         instr_shape=[16, COLS, 16])
+    acc_layout: gl.constexpr = _wgmma_layout(nw, COLS)
     rows = gl.convert_layout(ids, gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
     zero = gl.zeros([BLOCK_K, COLS], gl.float32, layout=acc_layout)
@@ -153,10 +154,8 @@ def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_sme
     blocks where HALF is 0, their dK blocks where it is 1."""
     nw: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = PAIRS // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, BLOCK_K, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                        instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = _wgmma_layout(nw, BLOCK_K)
+    dq_layout: gl.constexpr = _wgmma_layout(nw, D)
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [nw, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -178,9 +177,7 @@ def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_sme
 
     cols_k = gl.arange(0, BLOCK_K, layout=col_s)
     # the chunk IDs in the row layout of the gradient blocks (``_add_block``)
-    grad_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                          instr_shape=[16, GRAD_COLS, 16])
-    ids_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, grad_layout))
+    ids_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _wgmma_layout(nw, GRAD_COLS)))
     zero_s = gl.zeros([ROWS, BLOCK_K], gl.float32, layout=s_layout)
     dq = gl.zeros([ROWS, D], gl.float32, layout=dq_layout)
     n_chunks = gl.cdiv(count, BLOCK_K)
