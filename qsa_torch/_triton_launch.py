@@ -175,18 +175,18 @@ def backward(q, k, v, out, lse, grad_out, unions, scale: float, plan: Plan, *, d
                                     attempt=attempt, deterministic=deterministic)
 
     lse = lse.contiguous()
-    if not deterministic and not interpret and hopper_backward(q.device):
-        launch = spec.backward_sm90_launch(plan, _operand(q), _operand(k), _operand(v), _operand(out),
-                                           _operand(grad_out), tuple(unions.union.shape), scale, dtype)
-        if launch is not None and all(x.data_ptr() % 16 == 0 for x in (q, k, v, out, grad_out)):
-            outputs = run(launch, dict(Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, UNION=unions.union,
-                                       COUNT=unions.count, ROWBITS=unions.rowbits), q.device)
-            return outputs["DQ"], outputs["DK"].to(k.dtype), outputs["DV"].to(v.dtype)
     # MAXIMA is read by the deterministic kernel only (LSE stands in for it otherwise)
     maxima = input_maxima(q, grad_out, v, lse) if deterministic else lse
     arrays = dict(Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, UNION=unions.union, COUNT=unions.count,
                   ROWBITS=unions.rowbits, MAXIMA=maxima)
-    outputs = _run_fitting(build, plan, True, arrays, q.device)
+    outputs = None
+    if not deterministic and not interpret and hopper_backward(q.device):
+        launch = spec.backward_sm90_launch(plan, _operand(q), _operand(k), _operand(v), _operand(out),
+                                           _operand(grad_out), tuple(unions.union.shape), scale, dtype)
+        if launch is not None and all(x.data_ptr() % 16 == 0 for x in (q, k, v, out, grad_out)):
+            outputs = run(launch, arrays, q.device)
+    if outputs is None:
+        outputs = _run_fitting(build, plan, True, arrays, q.device)
     if not deterministic:
         return outputs["DQ"], outputs["DK"].to(k.dtype), outputs["DV"].to(v.dtype)
     convert = spec.fixed_point_launch(tuple(k.shape), dtype_name(k.dtype), scale, q.shape[1] * plan.group,
