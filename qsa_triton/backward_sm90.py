@@ -1,11 +1,10 @@
 """Backward kernel for Hopper (sm_90a) in Gluon: warp-specialized token gathers, 64-ID chunks.
 
 Both frameworks' backward on sm_90 where ``qsa_triton.launch.backward_sm90_launch`` admits
-the operands, ``backward.py`` elsewhere (measurements: docs/benchmarks.md, "Seventh
-session"). EXPERIMENT (branch ``next/sm90-next``, not yet run on a GPU): the gradient blocks
-16 columns wide and added with v4 atomics, where main's form (32 columns, v2 atomics) was
-measured, and the deterministic mode, which main leaves to ``backward.py``; ``bash
-scripts/gpu/session.sh sm90next`` compares both with ``backward.py``.
+the operands, ``backward.py`` elsewhere. EXPERIMENT (branch ``next/sm90-next``, not yet run
+on a GPU): the gradient blocks 16 columns wide and added with v4 atomics, where main's form
+(32 columns, v2 atomics) was measured, and the deterministic mode, which main leaves to
+``backward.py``; ``bash scripts/gpu/session.sh sm90next`` compares both with ``backward.py``.
 
 The same program, unions and math as ``backward.py``: fp32 atomic dK/dV, or with
 DETERMINISTIC its int64 fixed-point sums (``fixed_point.py``: the same scale, rounding and
@@ -48,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .fixed_point import fixed_point_factors
-from .forward_sm90 import _chunk_ids, _gather_to_shared, _pairs
+from .forward_sm90 import _chunk_ids, _gather_to_shared, _pairs, _wgmma_layout
 
 PRODUCER_WARPS = gl.constexpr(4)
 # registers per thread (setmaxnreg): the producer gathers 16 rows at a time; a consumer holds
@@ -95,10 +94,7 @@ def _producer(Q, DO, LSE, K, V, UNION, q_smem, do_smem, k_smem, v_smem, bars,
     n_chunks = gl.cdiv(count, BLOCK_K)
     # each chunk's IDs are loaded once for its K and V gathers, one chunk ahead (past the
     # last chunk they repeat IDs of the union: in bounds, never used)
-    ids0 = _chunk_ids(UNION, union_base, 0 * SUB_ROWS, count, rows)
-    ids1 = _chunk_ids(UNION, union_base, 1 * SUB_ROWS, count, rows)
-    ids2 = _chunk_ids(UNION, union_base, 2 * SUB_ROWS, count, rows)
-    ids3 = _chunk_ids(UNION, union_base, 3 * SUB_ROWS, count, rows)
+    ids0, ids1, ids2, ids3 = _step_ids(UNION, union_base, 0, count, rows)
     for j in range(n_chunks):
         # a fresh barrier counts as completed for parity 1: the first wait passes
         mbarrier.wait(bars.index(KV_FREE), (j & 1) ^ 1)
@@ -106,11 +102,16 @@ def _producer(Q, DO, LSE, K, V, UNION, q_smem, do_smem, k_smem, v_smem, bars,
         async_copy.mbarrier_arrive(bars.index(K_READY), increment_count=False)
         _gather_rows(v_smem, V + kv_base_v, sv_s, ids0, ids1, ids2, ids3, cols)
         async_copy.mbarrier_arrive(bars.index(V_READY), increment_count=False)
-        nxt = (j + 1) * BLOCK_K
-        ids0 = _chunk_ids(UNION, union_base, nxt + 0 * SUB_ROWS, count, rows)
-        ids1 = _chunk_ids(UNION, union_base, nxt + 1 * SUB_ROWS, count, rows)
-        ids2 = _chunk_ids(UNION, union_base, nxt + 2 * SUB_ROWS, count, rows)
-        ids3 = _chunk_ids(UNION, union_base, nxt + 3 * SUB_ROWS, count, rows)
+        ids0, ids1, ids2, ids3 = _step_ids(UNION, union_base, (j + 1) * BLOCK_K, count, rows)
+
+
+@gluon.jit
+def _step_ids(UNION, union_base, start, count, rows):
+    """The IDs of the chunk at ``start``, SUB_ROWS (``rows``) per gather step, four steps."""
+    return (_chunk_ids(UNION, union_base, start, count, rows),
+            _chunk_ids(UNION, union_base, start + SUB_ROWS, count, rows),
+            _chunk_ids(UNION, union_base, start + 2 * SUB_ROWS, count, rows),
+            _chunk_ids(UNION, union_base, start + 3 * SUB_ROWS, count, rows))
 
 
 @gluon.jit
@@ -145,8 +146,7 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
     ``backward.py`` rounds them (``fixed_point.add_fixed``)."""
     nw: gl.constexpr = gl.num_warps()
     gl.static_assert(nw == 4 and BLOCK_K == 64 and COLS >= 16, "_add_layout is built for 4 warps, 64 IDs")
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                         instr_shape=[16, COLS, 16])
+    acc_layout: gl.constexpr = _wgmma_layout(nw, COLS)
     # the adds' layout: each warp keeps the accumulator's 16 rows, 4 adjacent columns per
     # thread (the conversion stays within each warp: shuffles, no shared memory), so each
     # add is a v4 fp32 atomic
@@ -190,10 +190,8 @@ def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem,
     blocks where HALF is 0, their dK blocks where it is 1."""
     nw: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = PAIRS // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, BLOCK_K, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                        instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = _wgmma_layout(nw, BLOCK_K)
+    dq_layout: gl.constexpr = _wgmma_layout(nw, D)
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [nw, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)

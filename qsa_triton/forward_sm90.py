@@ -46,6 +46,13 @@ PRODUCER_REGS = gl.constexpr(96)
 CONSUMER_REGS = gl.constexpr(208)
 
 
+@gluon.constexpr_function
+def _wgmma_layout(num_warps, n):
+    """The register layout of an m64nN wgmma accumulator (fp32 [64 * num_warps / 4, N]) on
+    ``num_warps`` warps stacked along M."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _pairs(tile, S_q, G, layout: gl.constexpr, PAIRS: gl.constexpr, FIRST: gl.constexpr, ROWS: gl.constexpr):
     """Per matrix row m in [FIRST, FIRST + ROWS) (in ``layout``): its bit t in
@@ -113,10 +120,8 @@ def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2,
     nw: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = PAIRS // 2
     # [ROWS, BLOCK_K] scores and [ROWS, D] output
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, BLOCK_K, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = _wgmma_layout(nw, BLOCK_K)
+    o_layout: gl.constexpr = _wgmma_layout(nw, D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)

@@ -80,7 +80,7 @@ def _step(args) -> dict:
     """One probe step (in its own process)."""
     import torch
 
-    from gpu_common import cuda_ms
+    from gpu_common import probe_shape
     from qsa_common.oracle import oracle_forward_backward, relative_error
 
     device = torch.device("cuda")
@@ -98,20 +98,16 @@ def _step(args) -> dict:
                        "oracle_generic": relative_error(b.double().cpu().numpy(), w),
                        "finite": bool(torch.isfinite(a).all())}
                 for name, a, b, w in zip(("dq", "dk", "dv"), got, g, want)}
-    from parity.bench_routes import _make_routes, overlap_label
-
-    seq = args.seq
-    gen = torch.Generator(device=device).manual_seed(0)
-    t = {n: torch.randn(1, seq, h, 256, device=device, dtype=torch.bfloat16, generator=gen)
-         for n, h in (("q", 24), ("k", 2), ("v", 2), ("do", 24))}
-    routes = torch.from_numpy(_make_routes(seq, overlap_label(args.overlap), 512, 0)).to(device)
-    useful = 2.5 * 4 * float((routes >= 0).sum()) * 24 * 256
-    hopper, generic = _run_both(t, routes, 256 ** -0.5, 12, device)
+    shape = probe_shape(False, args.seq, [args.overlap])  # the benchmark's (24,2), D=256 problem
+    t = dict(zip(("q", "k", "v", "do"), shape.inputs()))
+    routes = shape.routes(args.overlap)
+    useful = 2.5 * 4 * float((routes >= 0).sum()) * shape.heads[0] * shape.head_dim
+    hopper, generic = _run_both(t, routes, shape.head_dim ** -0.5, shape.heads[0] // shape.heads[1], device)
     h, g = hopper(), generic()
     result = {"dq_rel_diff": float((h["DQ"].float() - g[0].float()).norm() / g[0].float().norm()),
               "dk_rel_diff": float((h["DK"] - g[1].float()).norm() / g[1].float().norm())}
     for name, fn in (("sm90", hopper), ("generic", generic)):
-        ms = cuda_ms(fn)
+        ms = shape.timer(fn)
         result[f"{name}_ms"], result[f"{name}_tflops"] = ms, useful / ms / 1e9
     return result
 
