@@ -20,6 +20,8 @@
 #   the Hopper forward against forward.py (carry .whl):    bash scripts/gpu/session.sh sm90fwd
 #   the Hopper backward against backward.py (carry .whl):  bash scripts/gpu/session.sh sm90bwd
 #   the Hopper experiments (branch next/sm90-next, carry .whl): bash scripts/gpu/session.sh sm90next, then sm90check
+#   the branch's backward beside main's (git worktree add --detach .base main; carry .base .whl):
+#                                                          bash scripts/gpu/session.sh sm90ab
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -28,7 +30,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90fwd, sm90bwd, sm90next, sm90check or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -200,6 +202,17 @@ sm90check)
   beside sanitize_deterministic 200 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_deterministic" \
     --sanitizer
   wait
+  ;;
+sm90ab)
+  # this tree's Hopper backward (default and deterministic) beside another commit's, checked
+  # out at .base: each timing step in both trees, twice; then each tree's deterministic probe
+  alone probe_backward 250 python3 scripts/gpu/probe_backward_sm90.py --out "$R/probe_backward" --against .base \
+    --budget-s 230 --timeout-s 120
+  alone probe_backward_again 150 python3 scripts/gpu/probe_backward_sm90.py --out "$R/probe_backward_again" \
+    --against .base --budget-s 130 --timeout-s 120 --skip-checks
+  alone deterministic_base 100 bash -c "cd .base && PYTHONPATH=$root/.base:/tmp/qsa-extra \
+    python3 scripts/gpu/probe_deterministic.py --out '$R/deterministic_base'"
+  alone deterministic 100 python3 scripts/gpu/probe_deterministic.py --out "$R/deterministic"
   ;;
 sm90bwd)
   # the Hopper backward (the default non-deterministic backward on sm_90) against backward.py:
