@@ -90,19 +90,19 @@ def _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher, deter
     cut = backward_cut(plan, q.shape[1], top_k, plan.rows_per_tile, union.shape[2])
     if cut is not None:
         union, count, rowbits = cut_unions(unions, cut, plan.max_grid_y, launcher)
+    # MAXIMA is read by the deterministic kernels only (LSE stands in for it otherwise)
+    maxima = input_maxima(q, do, v, lse) if deterministic else lse
+    arrays = dict(Q=q, K=k, V=v, O=out, DO=do, LSE=lse, UNION=union, COUNT=count, ROWBITS=rowbits, MAXIMA=maxima)
     launch = None
-    if (not deterministic and getattr(launcher, "gluon", False) and not launcher.interpreted
-            and gpu_capability(q) == (9, 0)):
+    if getattr(launcher, "gluon", False) and not launcher.interpreted and gpu_capability(q) == (9, 0):
         launch = spec.backward_sm90_launch(plan, operand(q), operand(k), operand(v), operand(out), operand(do),
-                                           tuple(union.shape), scale, jnp.dtype(q.dtype).name)
+                                           tuple(union.shape), scale, jnp.dtype(q.dtype).name,
+                                           deterministic=deterministic)
     if launch is None:
         launch = spec.backward_launch(plan, operand(q), operand(k), operand(v), operand(out), operand(do),
                                       tuple(union.shape), scale, jnp.dtype(q.dtype).name,
                                       interpreted=launcher.interpreted, deterministic=deterministic)
-    # MAXIMA is read by the deterministic kernel only (LSE stands in for it otherwise)
-    maxima = input_maxima(q, do, v, lse) if deterministic else lse
-    grads = launcher(launch, dict(Q=q, K=k, V=v, O=out, DO=do, LSE=lse, UNION=union, COUNT=count, ROWBITS=rowbits,
-                                  MAXIMA=maxima))
+    grads = launcher(launch, arrays)
     if not deterministic:
         return grads["DQ"], grads["DK"].astype(k.dtype), grads["DV"].astype(v.dtype)
     convert = spec.fixed_point_launch(tuple(k.shape), jnp.dtype(k.dtype).name, scale, q.shape[1] * plan.group,

@@ -162,6 +162,13 @@ def input_maxima(query: torch.Tensor, grad_out: torch.Tensor, value: torch.Tenso
     return torch.stack([largest_routed(query), largest_routed(grad_out), finite_rows.amax().float()])
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` if row-major with a 16-byte-aligned base, else a row-major copy."""
+    if x.is_contiguous() and x.data_ptr() % 16 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format) if x.is_contiguous() else x.contiguous()
+
+
 def backward(q, k, v, out, lse, grad_out, unions, scale: float, plan: Plan, *, deterministic: bool = False):
     """Backward kernel over the backward's unions: dq (q's dtype) and dk, dv (k's dtype)
     from fp32 atomic accumulators, or (``deterministic``) from int64 fixed-point sums
@@ -175,14 +182,21 @@ def backward(q, k, v, out, lse, grad_out, unions, scale: float, plan: Plan, *, d
                                     attempt=attempt, deterministic=deterministic)
 
     lse = lse.contiguous()
-    # MAXIMA is read by the deterministic kernel only (LSE stands in for it otherwise)
+    hopper = not interpret and hopper_backward(q.device)
+    if hopper and deterministic:
+        # the kernel must follow from shapes, dtype and device alone, as in JAX (dense
+        # arrays): the fixed-point gradients are then bitwise equal across operand layouts
+        # (an expanded grad_out from out.sum()) and across the two frameworks
+        q, k, v, out, grad_out = (_dense(x) for x in (q, k, v, out, grad_out))
+    # MAXIMA is read by the deterministic kernels only (LSE stands in for it otherwise)
     maxima = input_maxima(q, grad_out, v, lse) if deterministic else lse
     arrays = dict(Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, UNION=unions.union, COUNT=unions.count,
                   ROWBITS=unions.rowbits, MAXIMA=maxima)
     outputs = None
-    if not deterministic and not interpret and hopper_backward(q.device):
+    if hopper:
         launch = spec.backward_sm90_launch(plan, _operand(q), _operand(k), _operand(v), _operand(out),
-                                           _operand(grad_out), tuple(unions.union.shape), scale, dtype)
+                                           _operand(grad_out), tuple(unions.union.shape), scale, dtype,
+                                           deterministic=deterministic)
         if launch is not None and all(x.data_ptr() % 16 == 0 for x in (q, k, v, out, grad_out)):
             outputs = run(launch, arrays, q.device)
     if outputs is None:

@@ -1,11 +1,11 @@
 """Backward kernel for Hopper (sm_90a) in Gluon: warp-specialized token gathers, 64-ID chunks.
 
-Both frameworks' default non-deterministic backward on sm_90 where
-``qsa_triton.launch.backward_sm90_launch`` admits the operands; ``backward.py`` elsewhere and
-for the deterministic mode.
+Both frameworks' backward on sm_90, default and deterministic, where
+``qsa_triton.launch.backward_sm90_launch`` admits the operands; ``backward.py`` elsewhere.
 
-The same program, unions and math as ``backward.py`` (non-deterministic mode: fp32 atomic
-dK/dV), split across warps as ``forward_sm90.py``. A 4-warp producer loads the program's Q
+The same program, unions and math as ``backward.py``: fp32 atomic dK/dV, or with
+DETERMINISTIC its int64 fixed-point sums (``fixed_point.py``: the same scale, rounding and
+poisoning rule), split across warps as ``forward_sm90.py``. A 4-warp producer loads the program's Q
 and dO once, then gathers each 64-ID chunk's K and V rows with cp.async into one stage.
 Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per chunk each
 1. computes S = Q K^T, P, dP = dO V^T and dS for its pairs ([64, 64] fp32 each),
@@ -14,17 +14,19 @@ Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per 
    producer, which gathers the next chunk meanwhile,
 4. once both halves of P and dS are stored, builds one of the chunk's two [64 IDs, 256]
    gradient blocks over all 128 pairs, GRAD_COLS columns at a time with the next block's
-   product in flight while one is added (2 x 16 registers beside dQ's 128): the first
-   consumer dV = P^T dO, the second dK = scale * dS^T Q; each block is added to DV / DK
-   with relaxed fp32 atomics (pairs of adjacent columns per thread).
+   product in flight while one is added (2 x 8 registers beside dQ's 128): the first
+   consumer dV = P^T dO, the second dK = scale * dS^T Q; each block is moved within its
+   warps (shuffles) to runs of 4 adjacent columns per thread and added to DV / DK with
+   relaxed v4 fp32 atomics, or with DETERMINISTIC rounded to int64 in place and added
+   with scalar 64-bit atomics (64-bit adds have no vector form).
 The producer loads each chunk's IDs once for its K and V gathers, a chunk ahead; a consumer
 loads them for its adds while its dQ product runs, in the gradient blocks' row layout.
 The S, dP and dQ products are at least m64n64 (docs/design-token-gather.md: the register
 and shared memory budget). The loop takes its shared-memory views afresh per chunk, from an index
 that is zero at run time but not provably so, which keeps ~70 wgmma descriptors from
-being hoisted out of the loop and spilled (sm_90a, triton 3.6 and its ptxas: 92 bytes of
+being hoisted out of the loop and spilled (sm_90a, triton 3.6 and its ptxas: 64 bytes of
 spills instead of ~1.9 KB). ptxas serializes the wgmma for want of registers (warning
-C7512) when fed triton 3.9's PTX, or with two 64-column gradient blocks in flight: check
+C7512) when fed triton 3.9's PTX, or with two 32-column blocks in flight and v4 adds: check
 ``ptxas -v`` for the triton a measurement uses. Each chunk's dK/dV rows are added once per
 program, as in ``backward.py``. Its dQ sums the chunks in ``backward.py``'s order at 64-ID
 chunks.
@@ -41,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .fixed_point import fixed_point_factors
 from .forward_sm90 import _chunk_ids, _gather_to_shared, _pairs, _wgmma_layout
 
 PRODUCER_WARPS = gl.constexpr(4)
@@ -51,7 +54,7 @@ PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(48)
 CONSUMER_REGS = gl.constexpr(232)
 SUB_ROWS = gl.constexpr(16)  # K/V rows per producer gather step
-GRAD_COLS = gl.constexpr(32)  # columns of a gradient block (two in flight: 2 x 16 registers)
+GRAD_COLS = gl.constexpr(16)  # columns of a gradient block (two in flight: 2 x 8 registers)
 LOG2E = gl.constexpr(1.4426950408889634)
 
 # barriers (indices into ``bars``): Q/dO loaded, K ready, V ready, K/V free, P/dS stored
@@ -118,16 +121,35 @@ def _gather_rows(smem, base, stride, ids0, ids1, ids2, ids3, cols):
         _gather_to_shared(smem.slice(r * SUB_ROWS, SUB_ROWS, dim=0), ptr)
 
 
+@gluon.constexpr_function
+def _add_layout(rows, cols):
+    """The m64nN wgmma accumulator's layout on 4 warps ([rows, cols] = [64, N], N >= 16),
+    with the lane bit of column 2 and the register bit of column 8 swapped: each thread
+    holds runs of 4 adjacent columns (one v4 fp32 atomic each), each warp the same 16 rows."""
+    reg = [[0, 1], [0, 2], [8, 0]] + [[0, 1 << b] for b in range(4, cols.bit_length() - 1)]
+    lane = [[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]]
+    warp = [[16, 0], [32, 0]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, cols])
+
+
 @gluon.jit
-def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, factor,
-               D: gl.constexpr, BLOCK_K: gl.constexpr, COLS: gl.constexpr):
-    """ACC[id_u, :] += factor * (A^T B)[u, :] for the chunk's IDs, COLS columns at a time:
+def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
+               D: gl.constexpr, BLOCK_K: gl.constexpr, COLS: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """ACC[id_u, :] += scale * (A^T B)[u, :] for the chunk's IDs, COLS columns at a time:
     ``a_t`` [BLOCK_K, PAIRS] (P^T or dS^T, a transposed view), B ``b_smem`` [PAIRS, D] (dO
-    or Q). IDs past the union's count repeat routed IDs and add rows of zeros."""
+    or Q). IDs past the union's count repeat routed IDs and add rows of zeros. With
+    DETERMINISTIC, ACC holds int64 sums: each scaled product times ``factor`` (the
+    fixed-point scale 2**e) rounded to the nearest integer, ties to even, as
+    ``backward.py`` rounds them (``fixed_point.add_fixed``)."""
     nw: gl.constexpr = gl.num_warps()
+    gl.static_assert(nw == 4 and BLOCK_K == 64 and COLS >= 16, "_add_layout is built for 4 warps, 64 IDs")
     acc_layout: gl.constexpr = _wgmma_layout(nw, COLS)
-    rows = gl.convert_layout(ids, gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
+    # the adds' layout: each warp keeps the accumulator's 16 rows, 4 adjacent columns per
+    # thread (the conversion stays within each warp: shuffles, no shared memory), so each
+    # add is a v4 fp32 atomic
+    add_layout: gl.constexpr = _add_layout(BLOCK_K, COLS)
+    rows = gl.convert_layout(ids, gl.SliceLayout(1, add_layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, add_layout))
     zero = gl.zeros([BLOCK_K, COLS], gl.float32, layout=acc_layout)
     # block h + 1's product runs while block h is added
     block = warpgroup_mma(a_t, b_smem.slice(0, COLS, dim=1), zero, use_acc=False, is_async=True)
@@ -140,16 +162,27 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, factor,
         # the block's column offset goes into the row pointers, so the [BLOCK_K, COLS]
         # offsets are one loop-invariant set of int32 columns, not one int64 set per block
         row_ptr = ACC + (acc_base + h * COLS) + rows * sdk_s
-        gl.atomic_add(gl.expand_dims(row_ptr, 1) + gl.expand_dims(cols, 0), block * factor, sem="relaxed")
+        if DETERMINISTIC:
+            # 64-bit adds have no vector form: each in the accumulator's own layout
+            fixed = gl.inline_asm_elementwise("cvt.rni.s64.f32 $0, $1;", "=l,f", [block * scale * factor],
+                                              dtype=gl.int64, is_pure=True, pack=1)
+            acc_rows = gl.convert_layout(rows, gl.SliceLayout(1, acc_layout))
+            acc_cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
+            acc_ptr = ACC + (acc_base + h * COLS) + acc_rows * sdk_s
+            gl.atomic_add(gl.expand_dims(acc_ptr, 1) + gl.expand_dims(acc_cols, 0), fixed, sem="relaxed")
+        else:
+            gl.atomic_add(gl.expand_dims(row_ptr, 1) + gl.expand_dims(cols, 0),
+                          gl.convert_layout(block * scale, add_layout), sem="relaxed")
         if h + 1 < D // COLS:
             block = nxt
 
 
 @gluon.jit
-def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, bars,
-              scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h, lse_base, sl_h, sl_s,
-              dk_base, sdk_s, union_base, count,
-              PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, HALF: gl.constexpr):
+def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem,
+              ds_smem, bars, scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h, lse_base,
+              sl_h, sl_s, dk_base, sdk_s, union_base, count, BOUND_K, BOUND_V,
+              PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, HALF: gl.constexpr,
+              DETERMINISTIC: gl.constexpr):
     """Pairs [HALF * 64, HALF * 64 + 64) of the program, on one warpgroup; the chunks' dV
     blocks where HALF is 0, their dK blocks where it is 1."""
     nw: gl.constexpr = gl.num_warps()
@@ -176,10 +209,24 @@ def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_sme
     delta = gl.where(routed, delta, 0.0)
 
     cols_k = gl.arange(0, BLOCK_K, layout=col_s)
-    # the chunk IDs in the row layout of the gradient blocks (``_add_block``)
-    ids_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _wgmma_layout(nw, GRAD_COLS)))
+    # the chunk IDs in the row layout of the gradient blocks' adds (``_add_block``)
+    ids_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _add_layout(BLOCK_K, GRAD_COLS)))
     zero_s = gl.zeros([ROWS, BLOCK_K], gl.float32, layout=s_layout)
     dq = gl.zeros([ROWS, D], gl.float32, layout=dq_layout)
+    # dV = P^T dO, dK = scale * dS^T Q; with DETERMINISTIC int64 sums (in any 32-bit-word
+    # buffer: JAX has no int64 without x64) of the products scaled by 2**e
+    if HALF == 0:
+        acc = DV.to(gl.pointer_type(gl.int64)) if DETERMINISTIC else DV
+        block_scale = 1.0
+    else:
+        acc = DK.to(gl.pointer_type(gl.int64)) if DETERMINISTIC else DK
+        block_scale = scale
+    if DETERMINISTIC:
+        # backward.py's scales (qsa_triton.fixed_point), which its conversion kernel inverts
+        fix_k, fix_v = fixed_point_factors(MAXIMA, BOUND_K, BOUND_V)
+        factor = fix_k if HALF == 1 else fix_v
+    else:
+        factor = 1.0
     n_chunks = gl.cdiv(count, BLOCK_K)
     for j in range(n_chunks):
         phase = j & 1
@@ -217,11 +264,21 @@ def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_sme
         mbarrier.arrive(bars.index(PDS_STORED), count=1)
         mbarrier.wait(bars.index(PDS_STORED), phase)
         if HALF == 0:
-            _add_block(DV, dk_base, sdk_s, ids, p_all.permute([1, 0]), do_all, 1.0, D, BLOCK_K, GRAD_COLS)
+            _add_block(acc, dk_base, sdk_s, ids, p_all.permute([1, 0]), do_all, block_scale, factor, D, BLOCK_K,
+                       GRAD_COLS, DETERMINISTIC)
         else:
-            _add_block(DK, dk_base, sdk_s, ids, ds_all.permute([1, 0]), q_all, scale, D, BLOCK_K, GRAD_COLS)
+            _add_block(acc, dk_base, sdk_s, ids, ds_all.permute([1, 0]), q_all, block_scale, factor, D, BLOCK_K,
+                       GRAD_COLS, DETERMINISTIC)
         mbarrier.arrive(bars.index(PDS_READ), count=1)
 
+    if DETERMINISTIC:
+        # a non-finite P or dS of these pairs reaches their dQ (dQ += dS K; 0 * inf is NaN
+        # too) and may have reached the dK/dV sums, which the rounding to int64 cannot
+        # carry: FLAG makes the conversion write NaN (qsa_triton.fixed_point)
+        poisoned = gl.sum(dq * 0.0, axis=1)
+        flag_layout: gl.constexpr = gl.SliceLayout(1, dq_layout)
+        gl.store(FLAG + gl.zeros([ROWS], gl.int32, layout=flag_layout),
+                 gl.full([ROWS], 1, gl.int32, layout=flag_layout), mask=poisoned != poisoned)
     cols_d = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
     dq_off = gl.convert_layout(dq_base + row64 * sdq_s + head * sdq_h, gl.SliceLayout(1, dq_layout))
     dq_ok = gl.convert_layout(ok_s, gl.SliceLayout(1, dq_layout))
@@ -231,9 +288,9 @@ def _consumer(O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_sme
 
 @gluon.jit
 def qsa_backward_sm90_kernel(
-    Q, K, V, O, DO, LSE, UNION, COUNT, ROWBITS,
+    Q, K, V, O, DO, LSE, UNION, COUNT, ROWBITS, MAXIMA,
     scale, scale_log2,
-    DQ, DK, DV,
+    DQ, DK, DV, FLAG,
     sq_b, sq_s, sq_h,
     sk_b, sk_s, sk_h,
     sv_b, sv_s, sv_h,
@@ -242,13 +299,18 @@ def qsa_backward_sm90_kernel(
     sl_b, sl_h, sl_s,
     sdq_b, sdq_s, sdq_h,
     sdk_b, sdk_s, sdk_h,
-    S_q, N_TILES, UNION_WIDTH, HKV, G,
-    PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr,
+    S_q, N_TILES, UNION_WIDTH, HKV, G, BOUND_K, BOUND_V,
+    PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, DETERMINISTIC: gl.constexpr,
 ):
-    """``backward.py``'s ``qsa_backward_kernel`` (non-deterministic) for programs of 128
-    pairs: writes DQ (Q's dtype) and adds into DK/DV, fp32 ``[B, S_kv, Hkv, D]`` zeroed
-    accumulators (DV with DK's strides, unit stride along D). Unit stride along D and
-    int32 element offsets within a head. Grid ``(N_TILES, B * HKV)``; num_warps = 4."""
+    """``backward.py``'s ``qsa_backward_kernel`` for programs of 128 pairs: writes DQ (Q's
+    dtype) and adds into DK/DV, zeroed ``[B, S_kv, Hkv, D]`` accumulators (DV with DK's
+    strides, unit stride along D): fp32, or with DETERMINISTIC int64 fixed-point sums
+    (``qsa_triton.fixed_point``; held in any 32-bit-word buffer, strides counting int64
+    elements), scaled from MAXIMA (fp32 [3]) and BOUND_K / BOUND_V as ``backward.py``
+    scales them, FLAG (int32 [1], zero on entry) set where a pair's dQ is non-finite.
+    MAXIMA, BOUND_K, BOUND_V and FLAG are read or written only with DETERMINISTIC. Unit
+    stride along D and int32 element offsets within a head. Grid ``(N_TILES, B * HKV)``;
+    num_warps = 4."""
     tile = gl.program_id(0)
     pid = gl.program_id(1)
     b64 = (pid // HKV).to(gl.int64)
@@ -282,12 +344,14 @@ def qsa_backward_sm90_kernel(
         mbarrier.init(bars.index(i), count=2)
 
     gl.warp_specialize([
-        (_consumer, (O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, bars,
-                     scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h, lse_base,
-                     sl_h, sl_s, dk_base, sdk_s, union_base, count, PAIRS, D, BLOCK_K, 0)),
-        (_consumer, (O, DQ, DK, DV, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, bars,
-                     scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h, lse_base,
-                     sl_h, sl_s, dk_base, sdk_s, union_base, count, PAIRS, D, BLOCK_K, 1)),
+        (_consumer, (O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem,
+                     ds_smem, bars, scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h,
+                     lse_base, sl_h, sl_s, dk_base, sdk_s, union_base, count, BOUND_K, BOUND_V, PAIRS, D, BLOCK_K,
+                     0, DETERMINISTIC)),
+        (_consumer, (O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem, k_smem, v_smem, p_smem,
+                     ds_smem, bars, scale, scale_log2, tile, S_q, G, o_base, so_s, so_h, dq_base, sdq_s, sdq_h,
+                     lse_base, sl_h, sl_s, dk_base, sdk_s, union_base, count, BOUND_K, BOUND_V, PAIRS, D, BLOCK_K,
+                     1, DETERMINISTIC)),
         (_producer, (Q, DO, LSE, K, V, UNION, q_smem, do_smem, k_smem, v_smem, bars,
                      tile, S_q, G, q_base, sq_s, sq_h, do_base, sdo_s, sdo_h, lse_base, sl_h, sl_s,
                      kv_base_k, kv_base_v, sk_s, sv_s, union_base, count, PAIRS, D, BLOCK_K)),

@@ -1,7 +1,8 @@
 """Fixed-point dK/dV of the deterministic backward: the scale, the rounding, the conversion back.
 
-The deterministic backward (``backward.py`` with ``DETERMINISTIC``) is the fused backward
-with one change: each program's fp32 dK/dV block contributions are multiplied by a power of
+The deterministic backward (``backward.py`` with ``DETERMINISTIC``, and on Hopper
+``backward_sm90.py`` with it, which calls :func:`fixed_point_factors` from Gluon) is the
+fused backward with one change: each program's fp32 dK/dV block contributions are multiplied by a power of
 two ``2**e`` (exact in fp32), rounded to the nearest integer (ties to even), and added with
 int64 atomics. Integer addition is associative, so the sums do not depend on the order in
 which the GPU runs the atomics: dK/dV are bitwise reproducible, and equal across frameworks
@@ -65,7 +66,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .language import SUM, cast, load_count
+from .language import cast, load_count
 
 TARGET_C = tl.constexpr(61)  # bound * 2**e <= 2**61: a factor 4 below int64's range
 E_MAX_C = tl.constexpr(126)  # 2**e and 2**-e stay normal fp32 numbers
@@ -88,6 +89,12 @@ def _ceil_log2(x):
 
 
 @triton.jit
+def _finite(x):
+    """Whether fp32 x is finite, from its exponent bits."""
+    return ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) != 0xFF
+
+
+@triton.jit
 def _power_of_two(e):
     """2**e as fp32, for integer e in [-126, 127]."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
@@ -99,14 +106,14 @@ def fixed_point_exponents(MAXIMA, BOUND_K, BOUND_V):
     usable (the maxima finite, the bound at most 2**127).
 
     ``MAXIMA``: fp32 [3], max|Q|, max|dO|, max|V| (finite rows). ``BOUND_K`` /
-    ``BOUND_V``: the host's exact ceil(log2(2 * scale * N * D)) and ceil(log2 N)."""
-    i = tl.arange(0, 4)
-    m = tl.load(MAXIMA + i, mask=i < 3, other=0.0)
-    finite = ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) != 0xFF
-    ex = _ceil_log2(m)
-    inputs_ok = tl.reduce(tl.where(finite, 0, 1), 0, SUM) == 0
-    big_k = BOUND_K + tl.reduce(tl.where(i < 3, ex, 0), 0, SUM)
-    big_v = BOUND_V + tl.reduce(tl.where(i == 1, ex, 0), 0, SUM)
+    ``BOUND_V``: the host's exact ceil(log2(2 * scale * N * D)) and ceil(log2 N). Scalar
+    code only (no block layouts), so the Gluon kernels call it too."""
+    m_q = tl.load(MAXIMA)
+    m_do = tl.load(MAXIMA + 1)
+    m_v = tl.load(MAXIMA + 2)
+    inputs_ok = _finite(m_q) & _finite(m_do) & _finite(m_v)
+    big_k = BOUND_K + _ceil_log2(m_q) + _ceil_log2(m_do) + _ceil_log2(m_v)
+    big_v = BOUND_V + _ceil_log2(m_do)
     e_k = tl.minimum(TARGET_C - big_k, E_MAX_C)
     e_v = tl.minimum(TARGET_C - big_v, E_MAX_C)
     return e_k, e_v, inputs_ok & (big_k <= E_LIMIT_C), inputs_ok & (big_v <= E_LIMIT_C)

@@ -216,6 +216,18 @@ def forward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_sh
         tuple(params), SM90_FORWARD_WARPS, 1)
 
 
+def _gradient_accumulators(dk_shape: tuple[int, ...], scale: float, n_pairs: int,
+                           deterministic: bool) -> tuple[tuple[int, int], tuple[Output, Output]]:
+    """The backward kernels' ``(BOUND_K, BOUND_V)`` and DK / DV outputs: fp32 ``dk_shape``
+    (bounds unused, 0), or int64 fixed-point sums allocated as int32 ``dk_shape + (2,)``
+    with :func:`fixed_point_bounds`."""
+    if deterministic:
+        sums = dk_shape + (2,)
+        return (fixed_point_bounds(scale, n_pairs, dk_shape[3]),
+                (Output("DK", sums, "int32", zeroed=True), Output("DV", sums, "int32", zeroed=True)))
+    return (0, 0), (Output("DK", dk_shape, "float32", zeroed=True), Output("DV", dk_shape, "float32", zeroed=True))
+
+
 def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
                     union_shape: tuple[int, int, int], scale: float, dtype: str, *, interpreted: bool,
                     attempt: Attempt | None = None, deterministic: bool = False) -> Launch:
@@ -241,13 +253,7 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
                + _strides("sl_", contiguous_strides((bsz, hq, s_q)), _BHS)
                + _strides("sdq_", contiguous_strides(dq_shape), _BSHD) + _strides("sdk_", dk_strides, _BSH))
     offs32 = offsets_fit_int32(_kv_extents(k, v, (dk_shape, dk_strides)), plan.offset_limit)
-    if deterministic:
-        bounds = fixed_point_bounds(scale, s_q * plan.group, d)
-        accumulators = (Output("DK", dk_shape + (2,), "int32", zeroed=True),
-                        Output("DV", dk_shape + (2,), "int32", zeroed=True))
-    else:
-        bounds = (0, 0)
-        accumulators = (Output("DK", dk_shape, "float32", zeroed=True), Output("DV", dk_shape, "float32", zeroed=True))
+    bounds, accumulators = _gradient_accumulators(dk_shape, scale, s_q * plan.group, deterministic)
     tail = [("OFFS32", offs32), ("FOLD", fold), ("DETERMINISTIC", deterministic)]
     return Launch(
         "backward", grid, ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS", "MAXIMA"),
@@ -258,12 +264,15 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
 
 
 def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
-                         union_shape: tuple[int, int, int], scale: float, dtype: str) -> Launch | None:
-    """:func:`backward_launch` (non-deterministic) for the warp-specialized Hopper kernel
-    (``backward_sm90.py``; torch's and JAX's default non-deterministic backward on sm_90),
-    or None outside the scope of :func:`forward_sm90_launch` (plus O and dO with unit
-    stride along D and strides that are multiples of 16). Outputs: DQ like q in
-    ``dtype``, DK and DV fp32 zeroed."""
+                         union_shape: tuple[int, int, int], scale: float, dtype: str, *,
+                         deterministic: bool = False) -> Launch | None:
+    """:func:`backward_launch` for the warp-specialized Hopper kernel (``backward_sm90.py``;
+    torch's and JAX's backward on sm_90), or None outside the scope of
+    :func:`forward_sm90_launch` (plus O and dO with unit stride along D and strides that
+    are multiples of 16). The same inputs and outputs as :func:`backward_launch`'s: DQ like
+    q in ``dtype``; DK and DV fp32 zeroed, or (``deterministic``) int64 fixed-point sums
+    allocated as int32 ``[B, S_kv, Hkv, D, 2]`` that :func:`fixed_point_launch` converts;
+    MAXIMA read and FLAG written only when deterministic."""
     if forward_sm90_launch(plan, q, k, v, union_shape, scale, dtype) is None:
         return None
     # the backward's programs must be the forward's (128 pairs each)
@@ -284,13 +293,15 @@ def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Oper
               + _strides("sl_", contiguous_strides((bsz, hq, s_q)), _BHS)
               + _strides("sdq_", contiguous_strides(dq_shape), _BSH)
               + _strides("sdk_", contiguous_strides(dk_shape), _BSH)
-              + [("S_q", s_q), ("N_TILES", n_tiles), ("UNION_WIDTH", width), ("HKV", hkv), ("G", plan.group),
-                 ("PAIRS", SM90_FORWARD_PAIRS), ("D", d), ("BLOCK_K", SM90_BACKWARD_BLOCK_K)])
+              + [("S_q", s_q), ("N_TILES", n_tiles), ("UNION_WIDTH", width), ("HKV", hkv), ("G", plan.group)])
+    bounds, accumulators = _gradient_accumulators(dk_shape, scale, s_q * plan.group, deterministic)
+    params += [("BOUND_K", bounds[0]), ("BOUND_V", bounds[1]), ("PAIRS", SM90_FORWARD_PAIRS), ("D", d),
+               ("BLOCK_K", SM90_BACKWARD_BLOCK_K), ("DETERMINISTIC", deterministic)]
     return Launch(
-        "backward_sm90", (n_tiles, bsz * hkv), ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS"),
+        "backward_sm90", (n_tiles, bsz * hkv),
+        ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS", "MAXIMA"),
         (("scale", fp32(scale)), ("scale_log2", fp32(scale * LOG2E))),
-        (Output("DQ", dq_shape, dtype), Output("DK", dk_shape, "float32", zeroed=True),
-         Output("DV", dk_shape, "float32", zeroed=True)),
+        (Output("DQ", dq_shape, dtype), *accumulators, Output("FLAG", (1,), "int32", zeroed=True)),
         tuple(params), SM90_FORWARD_WARPS, 1)
 
 

@@ -677,9 +677,9 @@ def test_gluon_kernels_compile_through_jax_triton():
 def test_backward_takes_the_hopper_kernel_where_it_launches(monkeypatch, heads, deterministic, gluon, capability):
     """qsa_jax's backward, with the default Hopper plan (both head configurations the
     benchmark times): the warp-specialized kernel where the launcher launches compiled
-    Gluon kernels on an sm_90 GPU and the mode is the default one; backward.py otherwise,
-    followed by the fixed-point conversion in the deterministic mode (kernels recorded by a
-    stand-in launcher)."""
+    Gluon kernels on an sm_90 GPU, in both modes; backward.py otherwise; the fixed-point
+    conversion after either in the deterministic mode (kernels recorded by a stand-in
+    launcher)."""
     from qsa_triton.config import default_block_sizes
 
     seen = []
@@ -703,8 +703,8 @@ def test_backward_takes_the_hopper_kernel_where_it_launches(monkeypatch, heads, 
               jnp.zeros((1, n_tiles, 2052), jnp.int32))
     jt._backward(q, kv, kv, q, jnp.zeros((1, hq, seq), jnp.float32), unions, q, 0.0625, plan, 512,
                  Launcher(gluon), deterministic)
-    hopper = gluon and capability == (9, 0) and not deterministic
-    assert seen == (["backward_sm90"] if hopper else ["backward"] + (["fixed_point"] if deterministic else []))
+    hopper = gluon and capability == (9, 0)
+    assert seen == ["backward_sm90" if hopper else "backward"] + (["fixed_point"] if deterministic else [])
 
 
 @pytest.mark.parametrize("gluon, interpreted, capability, want", [

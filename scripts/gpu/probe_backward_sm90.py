@@ -8,8 +8,10 @@ adversarial int64 routes, an unrouted K/V row holding inf/NaN): the kernel's
 dQ/dK/dV against the float64 oracle and against ``backward.py``'s. Each step runs in a
 subprocess with a time limit, since a kernel that hangs on an mbarrier would stall the
 whole probe. Then, per S and overlap, both backward kernels alone: CUDA-event medians and
-useful TFLOP/s (2.5x the forward's flops). Writes
-``probe_backward_sm90.json`` under ``--out``.
+useful TFLOP/s (2.5x the forward's flops). ``--against DIR`` (a checkout of another
+commit, e.g. ``git worktree add DIR main``) runs each timing step in that tree too, right
+after this tree's, so two versions of the kernel are timed side by side in one run against
+the same ``backward.py``. Writes ``probe_backward_sm90.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -63,15 +65,15 @@ def _run_both(t, routes, scale, group, device):
     ops = [(tuple(x.shape), x.stride()) for x in (t["q"], t["k"], t["v"], out, t["do"])]
     launch = spec.backward_sm90_launch(plan, *ops, tuple(tile.union.shape), scale, "bfloat16")
     assert launch is not None, "the probe's shapes are in backward_sm90's scope"
+    # MAXIMA is read by the deterministic kernels only (LSE stands in for it)
     arrays = dict(Q=t["q"], K=t["k"], V=t["v"], O=out, DO=t["do"], LSE=lse, UNION=tile.union, COUNT=tile.count,
-                  ROWBITS=tile.rowbits)
+                  ROWBITS=tile.rowbits, MAXIMA=lse)
     hopper = lambda: launcher.run(launch, arrays, device)  # noqa: E731
     # backward.py's own launch (launcher.backward takes the sm90 kernel on sm_90)
     generic_launch = spec.backward_launch(plan, *ops, tuple(tile.union.shape), scale, "bfloat16", interpreted=False)
-    generic_arrays = dict(arrays, MAXIMA=lse)
 
     def generic():
-        got = launcher.run(generic_launch, generic_arrays, device)
+        got = launcher.run(generic_launch, arrays, device)
         return got["DQ"], got["DK"], got["DV"]
     return hopper, generic
 
@@ -119,6 +121,8 @@ def main(argv=None) -> int:
     parser.add_argument("--overlaps", type=float, nargs="+", default=[0.3, 0.8])
     parser.add_argument("--timeout-s", type=float, default=90.0)
     parser.add_argument("--budget-s", type=float, default=240.0)
+    parser.add_argument("--skip-checks", action="store_true", help="the timing steps only")
+    parser.add_argument("--against", help="another checkout whose kernels' timing steps run beside this tree's")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("--heads", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
@@ -131,10 +135,15 @@ def main(argv=None) -> int:
 
     record = Record(os.path.join(args.out, "probe_backward_sm90.json"), args.budget_s)
 
-    def sub(*extra):
-        cmd = [sys.executable, os.path.abspath(__file__), *extra]
+    def sub(*extra, tree=None):
+        script, env = os.path.abspath(__file__), None
+        if tree is not None:  # the same step in the other checkout, on its own modules
+            tree = os.path.abspath(tree)
+            script = os.path.join(tree, "scripts", "gpu", os.path.basename(__file__))
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
+        cmd = [sys.executable, script, *extra]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, env=env, cwd=tree)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {args.timeout_s} s (a hang?)"}
         for line in done.stdout.splitlines():
@@ -142,12 +151,14 @@ def main(argv=None) -> int:
                 return json.loads(line[7:])
         return {"error": f"rc={done.returncode}", "stderr": done.stderr[-2000:]}
 
-    for heads, kind in (("24x2", "qsa"), ("24x2", "adversarial"), ("12x1", "qsa")):
+    for heads, kind in () if args.skip_checks else (("24x2", "qsa"), ("24x2", "adversarial"), ("12x1", "qsa")):
         record.run("check", f"{heads}-{kind}", lambda: sub("--step", "check", "--heads", heads, "--kind", kind))
     for seq in args.seq_lens:
         for overlap in args.overlaps:
-            record.run(f"S={seq}", f"J={overlap}",
-                       lambda: sub("--step", "time", "--seq", str(seq), "--overlap", str(overlap)))
+            step = ("--step", "time", "--seq", str(seq), "--overlap", str(overlap))
+            record.run(f"S={seq}", f"J={overlap}", lambda: sub(*step))
+            if args.against:
+                record.run(f"S={seq}", f"J={overlap}/against", lambda: sub(*step, tree=args.against))
     log("done")
     return 0
 

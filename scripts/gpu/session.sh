@@ -17,7 +17,11 @@
 #   main's whole GPU check, no timing (carry .whl): bash scripts/gpu/session.sh complete
 #   the side-by-side timing, both head configs (carry .whl): bash scripts/gpu/session.sh final
 #   torch's host time per step, S=8192 beside dense (carry .whl): bash scripts/gpu/session.sh host
+#   the Hopper forward against forward.py (carry .whl):    bash scripts/gpu/session.sh sm90fwd
 #   the Hopper backward against backward.py (carry .whl):  bash scripts/gpu/session.sh sm90bwd
+#   both Hopper kernels against forward.py / backward.py (carry .whl): bash scripts/gpu/session.sh sm90next, then sm90check
+#   this tree's backward beside another commit's (git worktree add --detach .base REF; carry .base .whl):
+#                                                          bash scripts/gpu/session.sh sm90ab
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -26,7 +30,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90bwd or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -139,10 +143,11 @@ complete)
   # head configurations) with the budget it needs, beside the GPU tests and memcheck
   beside parity 560 python3 scripts/gpu/run_parity_and_bench.py --out "$R/parity" --skip-bench --skip-api \
     --budget 530 --parity-args "--backends triton,jax-triton"
-  beside gpu_tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_triton_qsa.py \
-    tests/test_triton_deterministic.py tests/test_jax_triton.py tests/test_torch_api.py
+  beside gpu_tests 500 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_backward_sm90.py \
+    tests/test_triton_qsa.py tests/test_triton_deterministic.py tests/test_jax_triton.py tests/test_torch_api.py
   beside sanitize_triton 300 compute-sanitizer --tool memcheck --print-limit 30 \
     python3 scripts/gpu/check_triton.py --sanitizer-probe
+  beside sanitize_det 240 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer --sanitizer-timeout 220
   beside sanitize_jax 300 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton \
     --timeout-s 290
   wait
@@ -163,6 +168,50 @@ host)
     --backends torch-dense-sdpa,triton,jax-triton --time-budget 100 --out "$R/bench"
   alone gpu_tests 280 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_triton_qsa.py \
     tests/test_torch_api.py
+  ;;
+sm90fwd)
+  # the Hopper forward against forward.py: the probe alone, the benchmark alone, then the
+  # forward's GPU tests beside memcheck
+  alone probe 130 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe" --seq-lens 32768 131072 \
+    --overlaps 0.3 0.8 --budget-s 110
+  alone bench 110 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
+    --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench"
+  beside gpu_tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_forward_sm90.py tests/test_triton_qsa.py
+  beside sanitize_triton 200 compute-sanitizer --tool memcheck --print-limit 30 \
+    python3 scripts/gpu/check_triton.py --sanitizer-probe
+  wait
+  ;;
+sm90next)
+  # the Hopper forward and backward (default and deterministic), each against its tl
+  # kernel, then the benchmark; sm90check runs the GPU tests and memcheck
+  alone probe_forward 130 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe_forward" --seq-lens 32768 \
+    --overlaps 0.3 0.8 --budget-s 110
+  alone probe_backward 250 python3 scripts/gpu/probe_backward_sm90.py --out "$R/probe_backward" --budget-s 230 \
+    --timeout-s 120
+  alone probe_deterministic 100 python3 scripts/gpu/probe_deterministic.py --out "$R/probe_deterministic"
+  alone bench 110 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
+    --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench"
+  ;;
+sm90check)
+  # the Hopper kernels' GPU checks (after sm90next, on the same machine if warm)
+  beside gpu_tests 260 python3 -m pytest -q -x -p no:cacheprovider tests/test_forward_sm90.py \
+    tests/test_backward_sm90.py tests/test_triton_qsa.py tests/test_triton_deterministic.py tests/test_jax_triton.py
+  beside sanitize_triton 200 compute-sanitizer --tool memcheck --print-limit 30 \
+    python3 scripts/gpu/check_triton.py --sanitizer-probe
+  beside sanitize_deterministic 200 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_deterministic" \
+    --sanitizer
+  wait
+  ;;
+sm90ab)
+  # this tree's Hopper backward (default and deterministic) beside another commit's, checked
+  # out at .base: each timing step in both trees, twice; then each tree's deterministic probe
+  alone probe_backward 250 python3 scripts/gpu/probe_backward_sm90.py --out "$R/probe_backward" --against .base \
+    --budget-s 230 --timeout-s 120
+  alone probe_backward_again 150 python3 scripts/gpu/probe_backward_sm90.py --out "$R/probe_backward_again" \
+    --against .base --budget-s 130 --timeout-s 120 --skip-checks
+  alone deterministic_base 100 bash -c "cd .base && PYTHONPATH=$root/.base:/tmp/qsa-extra \
+    python3 scripts/gpu/probe_deterministic.py --out '$R/deterministic_base'"
+  alone deterministic 100 python3 scripts/gpu/probe_deterministic.py --out "$R/deterministic"
   ;;
 sm90bwd)
   # the Hopper backward (the default non-deterministic backward on sm_90) against backward.py:
