@@ -390,3 +390,30 @@ def test_trace_step_finds_the_gpu_idle_time_between_launches():
     assert step["span_ms"] == pytest.approx((6411 - 1110) / 1e3)
     assert step["idle_ms"] == pytest.approx((6411 - 1110 - 5050) / 1e3)
     assert step["host_to_first_launch_ms"] == pytest.approx(0.1)
+
+
+def test_run_step_reads_a_result_and_runs_the_other_checkout_on_its_own_modules(tmp_path, monkeypatch):
+    """gpu_common.run_step (the probes' steps, and ``--against`` for two versions side by
+    side): the JSON on the RESULT line; an error with the exit status and stderr, or the
+    time limit; with ``tree``, the script of the same name in that tree, importing that
+    tree's modules (a module the two trees both hold, with different contents)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu"))
+    import gpu_common
+
+    token = int(np.random.default_rng().integers(1 << 30))
+    script_text = ("import json, sys, time\nimport which_tree\n"
+                   "if sys.argv[1] == 'fail': sys.exit('broken ' + sys.argv[2])\n"
+                   "if sys.argv[1] == 'hang': time.sleep(30)\n"
+                   "print('noise'); print('RESULT ' + json.dumps({'tree': which_tree.NAME, 'arg': sys.argv[2]}))\n")
+    for name in ("here", "there"):
+        os.makedirs(tmp_path / name / "scripts" / "gpu")
+        (tmp_path / name / "scripts" / "gpu" / "step.py").write_text(script_text)
+        (tmp_path / name / "which_tree.py").write_text(f"NAME = {name!r}\n")
+    here = str(tmp_path / "here" / "scripts" / "gpu" / "step.py")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "here"), os.environ.get("PYTHONPATH", "")]))
+    assert gpu_common.run_step(here, ["ok", str(token)], 60) == {"tree": "here", "arg": str(token)}
+    assert gpu_common.run_step(here, ["ok", str(token)], 60, tree=str(tmp_path / "there")) == {
+        "tree": "there", "arg": str(token)}
+    failed = gpu_common.run_step(here, ["fail", str(token)], 60)
+    assert failed["error"] == "rc=1" and f"broken {token}" in failed["stderr"]
+    assert "timed out" in gpu_common.run_step(here, ["hang", "x"], 2)["error"]

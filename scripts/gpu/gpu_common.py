@@ -10,6 +10,9 @@ Scripts in this folder import it as ``gpu_common`` (Python puts a script's own f
   cross to the host).
 * :func:`cuda_ms` (torch, CUDA events) and :func:`jax_ms` (wall clock around
   ``block_until_ready``): medians in milliseconds after warm-up calls.
+* :func:`run_step`: one step of a probe script in its own process, with a time limit (a
+  kernel that hangs on an mbarrier costs one step), optionally the same script of another
+  checkout on that checkout's modules (two versions of a kernel timed side by side).
 * :class:`Record`: results by section and name, each entry the value or the error with
   its traceback and the seconds it took, written to JSON after every entry so that a run
   stopped by its time limit keeps what it measured; entries past a deadline are skipped.
@@ -21,6 +24,7 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -35,7 +39,7 @@ import numpy as np  # noqa: E402
 from qsa_common.oracle import relative_error as _numpy_relative_error  # noqa: E402
 
 __all__ = ["ROOT", "ProbeShape", "Record", "cuda_ms", "jax_ms", "log", "max_abs_diff", "probe_shape",
-           "relative_error", "wall_ms"]
+           "relative_error", "run_step", "wall_ms"]
 
 
 def log(*args) -> None:
@@ -164,6 +168,27 @@ def jax_ms(fn, *args, reps: int = 10, warmup: int = 2) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return float(np.median(times) * 1e3)
+
+
+def run_step(script: str, args, timeout_s: float, tree: str | None = None) -> dict:
+    """``python script *args`` in a subprocess; the JSON on its ``RESULT `` line, or
+    ``{"error": ...}`` (time limit, exit status and stderr's tail). With ``tree`` (another
+    checkout), the script of the same name under ``tree/scripts/gpu`` runs with ``tree``
+    first on ``PYTHONPATH`` and as its working directory."""
+    env = cwd = None
+    if tree is not None:
+        cwd = os.path.abspath(tree)
+        script = os.path.join(cwd, "scripts", "gpu", os.path.basename(script))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([cwd, os.environ.get("PYTHONPATH", "")]))
+    try:
+        done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout_s,
+                              env=env, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s} s (a hang?)"}
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {"error": f"rc={done.returncode}", "stderr": done.stderr[-2000:]}
 
 
 class Record:

@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_common import Record, log  # noqa: E402
+from gpu_common import Record, log, run_step  # noqa: E402
 
 
 def _problem(seq, heads, kind, seed, device):
@@ -136,20 +135,7 @@ def main(argv=None) -> int:
     record = Record(os.path.join(args.out, "probe_backward_sm90.json"), args.budget_s)
 
     def sub(*extra, tree=None):
-        script, env = os.path.abspath(__file__), None
-        if tree is not None:  # the same step in the other checkout, on its own modules
-            tree = os.path.abspath(tree)
-            script = os.path.join(tree, "scripts", "gpu", os.path.basename(__file__))
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
-        cmd = [sys.executable, script, *extra]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, env=env, cwd=tree)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {args.timeout_s} s (a hang?)"}
-        for line in done.stdout.splitlines():
-            if line.startswith("RESULT "):
-                return json.loads(line[7:])
-        return {"error": f"rc={done.returncode}", "stderr": done.stderr[-2000:]}
+        return run_step(os.path.abspath(__file__), extra, args.timeout_s, tree)
 
     for heads, kind in () if args.skip_checks else (("24x2", "qsa"), ("24x2", "adversarial"), ("12x1", "qsa")):
         record.run("check", f"{heads}-{kind}", lambda: sub("--step", "check", "--heads", heads, "--kind", kind))

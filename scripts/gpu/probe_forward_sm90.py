@@ -7,27 +7,90 @@ and adversarial routes, an unrouted K/V row holding inf/NaN): both kernels' O an
 against each other and O against the float64 oracle. Then, per S and overlap (QSA-format
 routes from the benchmark's generator, B=1, (24,2), D=256, bf16, the default plan), the
 two forward kernels alone on the same unions: CUDA-event medians, useful TFLOP/s, and
-their largest differences. Writes ``probe_forward_sm90.json`` under ``--out``.
+their largest differences, each (S, overlap) in its own process with a time limit.
+``--against DIR`` (a checkout of another commit whose probe has ``--step``) runs each timing
+step in that tree too, right after this tree's, so two versions of the kernel are timed
+side by side in one run against the same ``forward.py``. Writes ``probe_forward_sm90.json``
+under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_common import Record, cuda_ms, log  # noqa: E402
+from gpu_common import Record, cuda_ms, log, run_step  # noqa: E402
+
+
+def _both(q, k, v, routes, scale, group):
+    """(sm90 O, LSE), (forward.py O, LSE) on the default plan's unions."""
+    import torch
+
+    from qsa_torch import _triton_launch as launcher
+    from qsa_torch import _triton_unions as unions
+    from qsa_triton import launch as spec
+    from qsa_triton.config import default_block_sizes
+    from qsa_triton.plan import make_plan
+
+    blocks = default_block_sizes(torch.cuda.get_device_capability(), q.shape[3], launcher.dtype_name(q.dtype))
+    plan = make_plan(group, q.shape[3], blocks)
+    tile = unions.build_unions(routes, k.shape[1], plan)
+    arrays = dict(Q=q, K=k, V=v, UNION=tile.union, COUNT=tile.count, ROWBITS=tile.rowbits)
+    ops = [(tuple(x.shape), x.stride()) for x in (q, k, v)]
+    hopper = spec.forward_sm90_launch(plan, *ops, tuple(tile.union.shape), scale, launcher.dtype_name(q.dtype))
+    assert hopper is not None, "the probe's shapes are in forward_sm90's scope"
+    generic = spec.forward_launch(plan, *ops, tuple(tile.union.shape), scale, launcher.dtype_name(q.dtype),
+                                  interpreted=False)
+    device = q.device
+    return (lambda: launcher.run(hopper, arrays, device)), (lambda: launcher.run(generic, arrays, device))
+
+
+def _timing(seq: int, overlap: float) -> dict:
+    """Both kernels alone at (S, overlap): B=1, (24,2), D=256, bf16, the benchmark's routes."""
+    import torch
+
+    from parity.bench_routes import _make_routes, overlap_label
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, seq, 24, 256, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(1, seq, 2, 256, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(1, seq, 2, 256, device=device, dtype=torch.bfloat16, generator=gen)
+    routes = torch.from_numpy(_make_routes(seq, overlap_label(overlap), 512, 0)).to(device)
+    useful = 4 * float((routes >= 0).sum()) * 24 * 256
+    hopper, generic = _both(q, k, v, routes, 256 ** -0.5, 12)
+    h, g = hopper(), generic()
+    result = {"max_abs_o_diff": (h["O"].float() - g["O"].float()).abs().max().item(),
+              "max_abs_lse_diff": (h["LSE"] - g["LSE"]).abs().max().item()}
+    del h, g
+    for name, fn in (("sm90", hopper), ("generic", generic)):
+        ms = cuda_ms(fn)
+        result[f"{name}_ms"] = ms
+        result[f"{name}_tflops"] = useful / ms / 1e9
+    return result
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--overlaps", type=float, nargs="+", default=[0.3, 0.8])
     parser.add_argument("--budget-s", type=float, default=200.0)
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--against", help="another checkout whose kernels' timing steps run beside this tree's")
+    parser.add_argument("--step", choices=["time"], help=argparse.SUPPRESS)
+    parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--overlap", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.step:
+        print("RESULT " + json.dumps(_timing(args.seq, args.overlap)), flush=True)
+        return 0
+    if not args.out:
+        parser.error("--out is required")
 
     import numpy as np
     import torch
@@ -36,27 +99,10 @@ def main(argv=None) -> int:
     from qsa_common.generators import adversarial_routes
     from qsa_common.oracle import oracle_forward_backward, relative_error
     from qsa_torch import _triton_launch as launcher
-    from qsa_torch import _triton_unions as unions
-    from qsa_triton import launch as spec
-    from qsa_triton.config import default_block_sizes
-    from qsa_triton.plan import make_plan
 
     record = Record(os.path.join(args.out, "probe_forward_sm90.json"), args.budget_s)
     device = torch.device("cuda")
     record.run("device", "hopper_forward", lambda: launcher.hopper_forward(device))
-
-    def both(q, k, v, routes, scale, group):
-        """(sm90 O, LSE), (forward.py O, LSE) on the default plan's unions."""
-        blocks = default_block_sizes(torch.cuda.get_device_capability(), q.shape[3], launcher.dtype_name(q.dtype))
-        plan = make_plan(group, q.shape[3], blocks)
-        tile = unions.build_unions(routes, k.shape[1], plan)
-        arrays = dict(Q=q, K=k, V=v, UNION=tile.union, COUNT=tile.count, ROWBITS=tile.rowbits)
-        ops = [(tuple(x.shape), x.stride()) for x in (q, k, v)]
-        hopper = spec.forward_sm90_launch(plan, *ops, tuple(tile.union.shape), scale, launcher.dtype_name(q.dtype))
-        assert hopper is not None, "the probe's shapes are in forward_sm90's scope"
-        generic = spec.forward_launch(plan, *ops, tuple(tile.union.shape), scale, launcher.dtype_name(q.dtype),
-                                      interpreted=False)
-        return (lambda: launcher.run(hopper, arrays, device)), (lambda: launcher.run(generic, arrays, device))
 
     def check(heads, dtype, routes_kind, seed):
         rng = np.random.default_rng(seed)
@@ -73,7 +119,7 @@ def main(argv=None) -> int:
         tk[:, 0], tv[:, 0] = float("inf"), float("nan")
         troutes = torch.from_numpy(routes).to(device)  # int64: huge IDs stay padding
         scale = d ** -0.5
-        hopper, generic = both(tq, tk, tv, troutes, scale, hq // hkv)
+        hopper, generic = _both(tq, tk, tv, troutes, scale, hq // hkv)
         h, g = hopper(), generic()
         torch.cuda.synchronize()
         ref_in = [t.double().cpu().numpy() for t in (tq, tk, tv)]
@@ -94,30 +140,14 @@ def main(argv=None) -> int:
                                            ("12x1-bf16-adversarial", (12, 1), torch.bfloat16, "adversarial", 4)):
         record.run("correctness", name, lambda: check(heads, dtype, kind, seed))
 
+    torch.cuda.empty_cache()
     for seq in args.seq_lens:
         for overlap in args.overlaps:
-            key = f"S={seq}/J={overlap}"
-
-            def timing():
-                gen = torch.Generator(device=device).manual_seed(0)
-                q = torch.randn(1, seq, 24, 256, device=device, dtype=torch.bfloat16, generator=gen)
-                k = torch.randn(1, seq, 2, 256, device=device, dtype=torch.bfloat16, generator=gen)
-                v = torch.randn(1, seq, 2, 256, device=device, dtype=torch.bfloat16, generator=gen)
-                routes = torch.from_numpy(_make_routes(seq, overlap_label(overlap), 512, 0)).to(device)
-                useful = 4 * float((routes >= 0).sum()) * 24 * 256
-                hopper, generic = both(q, k, v, routes, 256 ** -0.5, 12)
-                h, g = hopper(), generic()
-                result = {"max_abs_o_diff": (h["O"].float() - g["O"].float()).abs().max().item(),
-                          "max_abs_lse_diff": (h["LSE"] - g["LSE"]).abs().max().item()}
-                del h, g
-                for name, fn in (("sm90", hopper), ("generic", generic)):
-                    ms = cuda_ms(fn)
-                    result[f"{name}_ms"] = ms
-                    result[f"{name}_tflops"] = useful / ms / 1e9
-                return result
-
-            record.run(key, "forward_kernels", timing)
-            torch.cuda.empty_cache()
+            key, step = f"S={seq}/J={overlap}", ("--step", "time", "--seq", str(seq), "--overlap", str(overlap))
+            record.run(key, "forward_kernels", lambda: run_step(os.path.abspath(__file__), step, args.timeout_s))
+            if args.against:
+                record.run(key, "forward_kernels/against",
+                           lambda: run_step(os.path.abspath(__file__), step, args.timeout_s, args.against))
     log("done")
     return 0
 

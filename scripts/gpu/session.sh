@@ -20,7 +20,7 @@
 #   the Hopper forward against forward.py (carry .whl):    bash scripts/gpu/session.sh sm90fwd
 #   the Hopper backward against backward.py (carry .whl):  bash scripts/gpu/session.sh sm90bwd
 #   both Hopper kernels against forward.py / backward.py (carry .whl): bash scripts/gpu/session.sh sm90next, then sm90check
-#   this tree's backward beside another commit's (git worktree add --detach .base REF; carry .base .whl):
+#   this tree's Hopper kernels beside another commit's (git worktree add --detach .base REF; carry .base .whl):
 #                                                          bash scripts/gpu/session.sh sm90ab
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
@@ -94,7 +94,7 @@ verify)
   # the kernels after CPU-only changes: timing alone first, then the GPU tests side by side
   alone bench 190 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
     --overlaps-at 32768=0.3,0.6,0.8,0.9 --backends torch-dense-sdpa,triton,jax-triton --time-budget 150 --out "$R/bench"
-  alone forward_sm90 110 python3 scripts/gpu/probe_forward_sm90.py --out "$R/forward_sm90" --budget-s 90
+  alone forward_sm90 150 python3 scripts/gpu/probe_forward_sm90.py --out "$R/forward_sm90" --budget-s 130
   beside gpu_tests 330 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_triton_qsa.py \
     tests/test_triton_deterministic.py tests/test_jax_triton.py tests/test_torch_api.py tests/test_flex_qsa.py \
     tests/test_pallas_qsa.py
@@ -158,7 +158,7 @@ final)
     --overlaps-at 32768=0.3,0.6,0.8,0.9 --backends torch-dense-sdpa,triton,jax-triton --time-budget 160 --out "$R/bench"
   alone bench_12x1 120 python3 -m parity.bench --heads 12:1 --seq-lens 8192 --overlaps 0.8 \
     --overlaps-at 32768=0.3,0.8 --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench_12x1"
-  alone forward_sm90 110 python3 scripts/gpu/probe_forward_sm90.py --out "$R/forward_sm90" --budget-s 90
+  alone forward_sm90 150 python3 scripts/gpu/probe_forward_sm90.py --out "$R/forward_sm90" --budget-s 130
   ;;
 host)
   # torch's host time per step (launch gaps are GPU idle at small S), then S=8192 timing, both
@@ -172,8 +172,8 @@ host)
 sm90fwd)
   # the Hopper forward against forward.py: the probe alone, the benchmark alone, then the
   # forward's GPU tests beside memcheck
-  alone probe 130 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe" --seq-lens 32768 131072 \
-    --overlaps 0.3 0.8 --budget-s 110
+  alone probe 170 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe" --seq-lens 32768 131072 \
+    --overlaps 0.3 0.8 --budget-s 150
   alone bench 110 python3 -m parity.bench --heads 24:2 --seq-lens 8192 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
     --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench"
   beside gpu_tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_forward_sm90.py tests/test_triton_qsa.py
@@ -203,8 +203,10 @@ sm90check)
   wait
   ;;
 sm90ab)
-  # this tree's Hopper backward (default and deterministic) beside another commit's, checked
-  # out at .base: each timing step in both trees, twice; then each tree's deterministic probe
+  # this tree's Hopper backward (default and deterministic) and forward beside another
+  # commit's, checked out at .base: each timing step in both trees (the backward's twice);
+  # then each tree's deterministic probe. The forward's step needs a .base whose
+  # probe_forward_sm90.py has --step (main since the eighth session)
   alone probe_backward 250 python3 scripts/gpu/probe_backward_sm90.py --out "$R/probe_backward" --against .base \
     --budget-s 230 --timeout-s 120
   alone probe_backward_again 150 python3 scripts/gpu/probe_backward_sm90.py --out "$R/probe_backward_again" \
@@ -212,6 +214,8 @@ sm90ab)
   alone deterministic_base 100 bash -c "cd .base && PYTHONPATH=$root/.base:/tmp/qsa-extra \
     python3 scripts/gpu/probe_deterministic.py --out '$R/deterministic_base'"
   alone deterministic 100 python3 scripts/gpu/probe_deterministic.py --out "$R/deterministic"
+  alone probe_forward 170 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe_forward" --seq-lens 32768 \
+    --overlaps 0.3 0.8 --against .base --budget-s 150
   ;;
 sm90bwd)
   # the Hopper backward (the default non-deterministic backward on sm_90) against backward.py:
