@@ -48,12 +48,18 @@ def build_unions(routes, kv_length: int, plan: Plan, launcher=None):
     return unions if cut is None else cut_unions(unions, cut, plan.max_grid_y, launcher)
 
 
+def _hopper(launcher, q) -> bool:
+    """Whether ``launcher`` launches compiled Gluon kernels on an sm_90 GPU (where the
+    warp-specialized Hopper kernels run, for operands in their scope)."""
+    return getattr(launcher, "gluon", False) and not launcher.interpreted and gpu_capability(q) == (9, 0)
+
+
 def _forward_launch(q, k, v, union_shape, scale, plan, launcher):
     """The forward's launch: on Hopper, with a launcher that launches Gluon kernels, the
     warp-specialized kernel where the operands are in its scope (as ``qsa_torch`` does;
     both kernels give the same bits), else ``forward.py``'s."""
     dtype = jnp.dtype(q.dtype).name
-    if getattr(launcher, "gluon", False) and not launcher.interpreted and gpu_capability(q) == (9, 0):
+    if _hopper(launcher, q):
         launch = spec.forward_sm90_launch(plan, operand(q), operand(k), operand(v), union_shape, scale, dtype)
         if launch is not None:
             return launch
@@ -94,7 +100,7 @@ def _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher, deter
     maxima = input_maxima(q, do, v, lse) if deterministic else lse
     arrays = dict(Q=q, K=k, V=v, O=out, DO=do, LSE=lse, UNION=union, COUNT=count, ROWBITS=rowbits, MAXIMA=maxima)
     launch = None
-    if getattr(launcher, "gluon", False) and not launcher.interpreted and gpu_capability(q) == (9, 0):
+    if _hopper(launcher, q):
         launch = spec.backward_sm90_launch(plan, operand(q), operand(k), operand(v), operand(out), operand(do),
                                            tuple(union.shape), scale, jnp.dtype(q.dtype).name,
                                            deterministic=deterministic)

@@ -17,6 +17,8 @@ import torch
 from qsa_triton import launch as spec
 from qsa_triton.plan import Plan
 
+from .routes import dense_aligned
+
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                  "int32": torch.int32, "int64": torch.int64}
 
@@ -93,14 +95,23 @@ def _operand(t: torch.Tensor) -> spec.Operand:
     return tuple(t.shape), tuple(t.stride())
 
 
+def _shared_per_block(device: torch.device) -> int:
+    """The shared memory a block on ``device`` may opt in to (0 where torch does not say)."""
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every base address is 16-byte aligned (the Hopper kernels' copies)."""
+    return all(x.data_ptr() % 16 == 0 for x in tensors)
+
+
 @functools.cache
 def hopper_forward(device: torch.device) -> bool:
     """Whether ``device`` runs the warp-specialized forward (``qsa_triton.forward_sm90``):
     compute capability 9.0, enough shared memory per block, and a triton with Gluon."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return False
-    props = torch.cuda.get_device_properties(device)
-    if getattr(props, "shared_memory_per_block_optin", 0) < spec.SM90_FORWARD_SHARED:
+    if _shared_per_block(device) < spec.SM90_FORWARD_SHARED:
         return False
     try:
         import triton.experimental.gluon  # noqa: F401
@@ -112,10 +123,7 @@ def hopper_forward(device: torch.device) -> bool:
 @functools.cache
 def hopper_backward(device: torch.device) -> bool:
     """:func:`hopper_forward`, and room for the Hopper backward's shared memory."""
-    if not hopper_forward(device):
-        return False
-    props = torch.cuda.get_device_properties(device)
-    return getattr(props, "shared_memory_per_block_optin", 0) >= spec.SM90_BACKWARD_SHARED
+    return hopper_forward(device) and _shared_per_block(device) >= spec.SM90_BACKWARD_SHARED
 
 
 def forward(q, k, v, unions, scale: float, plan: Plan):
@@ -128,7 +136,7 @@ def forward(q, k, v, unions, scale: float, plan: Plan):
     if not interpret and hopper_forward(q.device):
         launch = spec.forward_sm90_launch(plan, _operand(q), _operand(k), _operand(v), tuple(unions.union.shape),
                                           scale, dtype)
-        if launch is not None and all(x.data_ptr() % 16 == 0 for x in (q, k, v)):
+        if launch is not None and _aligned(q, k, v):
             outputs = run(launch, arrays, q.device)
             return outputs["O"], outputs["LSE"]
 
@@ -162,13 +170,6 @@ def input_maxima(query: torch.Tensor, grad_out: torch.Tensor, value: torch.Tenso
     return torch.stack([largest_routed(query), largest_routed(grad_out), finite_rows.amax().float()])
 
 
-def _dense(x: torch.Tensor) -> torch.Tensor:
-    """``x`` if row-major with a 16-byte-aligned base, else a row-major copy."""
-    if x.is_contiguous() and x.data_ptr() % 16 == 0:
-        return x
-    return x.clone(memory_format=torch.contiguous_format) if x.is_contiguous() else x.contiguous()
-
-
 def backward(q, k, v, out, lse, grad_out, unions, scale: float, plan: Plan, *, deterministic: bool = False):
     """Backward kernel over the backward's unions: dq (q's dtype) and dk, dv (k's dtype)
     from fp32 atomic accumulators, or (``deterministic``) from int64 fixed-point sums
@@ -187,7 +188,7 @@ def backward(q, k, v, out, lse, grad_out, unions, scale: float, plan: Plan, *, d
         # the kernel must follow from shapes, dtype and device alone, as in JAX (dense
         # arrays): the fixed-point gradients are then bitwise equal across operand layouts
         # (an expanded grad_out from out.sum()) and across the two frameworks
-        q, k, v, out, grad_out = (_dense(x) for x in (q, k, v, out, grad_out))
+        q, k, v, out, grad_out = (dense_aligned(x) for x in (q, k, v, out, grad_out))
     # MAXIMA is read by the deterministic kernels only (LSE stands in for it otherwise)
     maxima = input_maxima(q, grad_out, v, lse) if deterministic else lse
     arrays = dict(Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, UNION=unions.union, COUNT=unions.count,
@@ -197,7 +198,7 @@ def backward(q, k, v, out, lse, grad_out, unions, scale: float, plan: Plan, *, d
         launch = spec.backward_sm90_launch(plan, _operand(q), _operand(k), _operand(v), _operand(out),
                                            _operand(grad_out), tuple(unions.union.shape), scale, dtype,
                                            deterministic=deterministic)
-        if launch is not None and all(x.data_ptr() % 16 == 0 for x in (q, k, v, out, grad_out)):
+        if launch is not None and _aligned(q, k, v, out, grad_out):
             outputs = run(launch, arrays, q.device)
     if outputs is None:
         outputs = _run_fitting(build, plan, True, arrays, q.device)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .routes import (ProblemDims, check_deterministic_backward, refuse_nondeterministic_backward,
+from .routes import (ProblemDims, check_deterministic_backward, dense_aligned, refuse_nondeterministic_backward,
                      validate_inputs, validate_routes, warn_unverified)
 
 __all__ = ["cudnn_sparse_gqa_attention"]
@@ -46,8 +46,6 @@ _MAX_WIDTH = 2052
 _SUPPORTED_CAPABILITIES = {(10, 0): "SM100", (10, 3): "SM103"}
 _GPU_REQUIREMENT = "an NVIDIA Blackwell SM100/SM103 GPU (B200, B300, GB200, GB300)"
 _INSTALL_HINT = "pip install 'nvidia-cudnn-frontend[cutedsl]>=1.32'"
-# The kernels take 16-byte aligned, contiguous buffers.
-_ALIGNMENT = 16
 
 
 def _load_cudnn() -> tuple[Callable, Callable]:
@@ -170,13 +168,6 @@ def _check_gpu(device: torch.device) -> None:
         )
 
 
-def _dense(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` if contiguous and 16-byte aligned, else a contiguous copy."""
-    if tensor.is_contiguous() and tensor.data_ptr() % _ALIGNMENT == 0:
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
-
-
 class _CudnnQSA(torch.autograd.Function):
     """One 12:1 head group through the indexed kernels; keeps their FP32 output and LSE."""
 
@@ -206,7 +197,7 @@ class _CudnnQSA(torch.autograd.Function):
             saved for :meth:`backward`.
         """
         forward, _ = _load_cudnn()
-        q, k, v = _dense(q), _dense(k), _dense(v)
+        q, k, v = dense_aligned(q), dense_aligned(k), dense_aligned(v)
         out, out_fp32, lse = forward(q, k, v, indices, scale)
         ctx.save_for_backward(q, k, v, indices, out_fp32, lse)
         ctx.scale = scale
@@ -227,7 +218,7 @@ class _CudnnQSA(torch.autograd.Function):
         _, backward = _load_cudnn()
         q, k, v, indices, out_fp32, lse = ctx.saved_tensors
         dq, dk, dv = backward(
-            _dense(grad_output.to(q.dtype)), q, k, v, out_fp32, lse, indices, ctx.scale,
+            dense_aligned(grad_output.to(q.dtype)), q, k, v, out_fp32, lse, indices, ctx.scale,
             selection_mode="general",
         )
         return dq, dk, dv, None, None

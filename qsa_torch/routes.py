@@ -25,6 +25,7 @@ __all__ = [
     "Validated",
     "available_device_bytes",
     "check_deterministic_backward",
+    "dense_aligned",
     "validate_inputs",
     "validate_routes",
     "normalize_routes",
@@ -105,6 +106,14 @@ def available_device_bytes(device: torch.device) -> int | None:
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int(free + cached)
+
+
+def dense_aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` if row-major with a 16-byte-aligned base, else a row-major copy (the
+    kernels' 16-byte copies, and bits that follow from shapes alone)."""
+    if tensor.is_contiguous() and tensor.data_ptr() % 16 == 0:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def check_deterministic_backward(backend: str, *tensors: torch.Tensor) -> None:

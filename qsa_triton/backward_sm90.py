@@ -159,9 +159,6 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
             block = warpgroup_mma_wait(1, deps=[block])
         else:
             block = warpgroup_mma_wait(0, deps=[block])
-        # the block's column offset goes into the row pointers, so the [BLOCK_K, COLS]
-        # offsets are one loop-invariant set of int32 columns, not one int64 set per block
-        row_ptr = ACC + (acc_base + h * COLS) + rows * sdk_s
         if DETERMINISTIC:
             # 64-bit adds have no vector form: each in the accumulator's own layout
             fixed = gl.inline_asm_elementwise("cvt.rni.s64.f32 $0, $1;", "=l,f", [block * scale * factor],
@@ -171,6 +168,9 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
             acc_ptr = ACC + (acc_base + h * COLS) + acc_rows * sdk_s
             gl.atomic_add(gl.expand_dims(acc_ptr, 1) + gl.expand_dims(acc_cols, 0), fixed, sem="relaxed")
         else:
+            # the block's column offset goes into the row pointers, so the [BLOCK_K, COLS]
+            # offsets are one loop-invariant set of int32 columns, not one int64 set per block
+            row_ptr = ACC + (acc_base + h * COLS) + rows * sdk_s
             gl.atomic_add(gl.expand_dims(row_ptr, 1) + gl.expand_dims(cols, 0),
                           gl.convert_layout(block * scale, add_layout), sem="relaxed")
         if h + 1 < D // COLS:

@@ -178,6 +178,12 @@ SM90_BACKWARD_BLOCK_K = 64
 SM90_BACKWARD_SHARED = 229944
 
 
+def _copies_aligned(*operands: Operand) -> bool:
+    """Whether the Hopper kernels' 16-byte copies can read each operand: unit stride along
+    D, every other stride a multiple of 16 elements."""
+    return all(st[3] == 1 and all(int(x) % 16 == 0 for x in st[:3]) for _, st in operands)
+
+
 def forward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: tuple[int, int, int],
                         scale: float, dtype: str) -> Launch | None:
     """:func:`forward_launch` for the warp-specialized Hopper kernel (``forward_sm90.py``;
@@ -197,8 +203,7 @@ def forward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_sh
     if (dtype not in ("bfloat16", "float16") or d != 256 or pairs != SM90_FORWARD_PAIRS
             or s_q * plan.group > INT32_MAX - pairs or plan.blocks.block_k != SM90_FORWARD_BLOCK_K):
         return None
-    strides = [x[1] for x in (q, k, v)]
-    if any(st[3] != 1 or any(int(x) % 16 for x in st[:3]) for st in strides):
+    if not _copies_aligned(q, k, v):
         return None
     if not offsets_fit_int32(_kv_extents(k, v), plan.offset_limit) or bsz * hkv > plan.max_grid_y:
         return None
@@ -280,7 +285,7 @@ def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Oper
         return None
     if not plan.flat and (plan.backward_rows != plan.rows_per_tile or plan.bwd_heads != plan.group):
         return None
-    if any(st[3] != 1 or any(int(x) % 16 for x in st[:3]) for st in (o[1], do[1])):
+    if not _copies_aligned(o, do):
         return None
     (bsz, s_q, hq, d), (_, s_kv, hkv, _) = q[0], k[0]
     _, n_tiles, width = union_shape

@@ -28,6 +28,7 @@ from qsa_common.layouts import make_problem
 from qsa_common.oracle import relative_error
 from qsa_torch import cudnn_qsa
 from qsa_torch.cudnn_qsa import _pack_indices, cudnn_sparse_gqa_attention
+from qsa_torch.routes import dense_aligned
 
 HUGE = [2**31, 2**32 + 3, 2**40, 2**62, 2**63 - 1, -(2**31) - 1, -(2**40), -(2**63)]
 
@@ -425,10 +426,10 @@ class TestCudnnAdapterOnStandIn(_CudnnContract):
         flat = torch.randn(12 * 256 * 4 + 1).to(torch.bfloat16)
         view = flat[1:].view(4, 12, 256)  # contiguous, 2 bytes past an aligned address
         assert view.is_contiguous() and view.data_ptr() % 16 != 0
-        dense = cudnn_qsa._dense(view)
+        dense = dense_aligned(view)
         assert dense.data_ptr() % 16 == 0 and torch.equal(dense, view)
         aligned = torch.randn(4, 12, 256).to(torch.bfloat16)
-        assert cudnn_qsa._dense(aligned) is aligned
+        assert dense_aligned(aligned) is aligned
 
     def test_deterministic_flag_set_after_forward(self, monkeypatch, stand_in):
         q, k, v, routes = _args(grad=True)
