@@ -14,8 +14,9 @@ Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per 
    producer, which gathers the next chunk meanwhile,
 4. once both halves of P and dS are stored, builds one of the chunk's two [64 IDs, 256]
    gradient blocks over all 128 pairs, GRAD_COLS columns at a time with the next block's
-   product in flight while one is added (2 x 8 registers beside dQ's 128): the first
-   consumer dV = P^T dO, the second dK = scale * dS^T Q; each block is moved within its
+   product in flight while one is added (2 x 8 registers beside dQ's 128 and A's 32): the first
+   consumer dV = P^T dO, the second dK = scale * dS^T Q (P^T or dS^T loaded into registers
+   once per chunk, the A operand of every block's product); each block is moved within its
    warps (shuffles) to runs of 4 adjacent columns per thread and added to DV / DK with
    relaxed v4 fp32 atomics, or with DETERMINISTIC rounded to int64 in place and added
    with scalar 64-bit atomics (64-bit adds have no vector form).
@@ -48,7 +49,8 @@ from .forward_sm90 import _chunk_ids, _gather_to_shared, _pairs, _wgmma_layout
 
 PRODUCER_WARPS = gl.constexpr(4)
 # registers per thread (setmaxnreg): the producer gathers 16 rows at a time; a consumer holds
-# dQ ([64, 256] fp32: 128) and either S and dP (2 x 32) or a [64, 64] gradient block (32).
+# dQ ([64, 256] fp32: 128) and either S and dP (2 x 32) or the gradient blocks' A operand
+# ([64, 128] 16-bit: 32) and two [64, GRAD_COLS] blocks (2 x 8).
 # The second consumer gets CONSUMER_REGS, the first (the default partition) what is left of
 # 3 x 168: 224 (fewer spills in all than 40 / 232 / 232 at sm_90a, triton 3.6)
 PRODUCER_REGS = gl.constexpr(48)
@@ -137,7 +139,9 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
                D: gl.constexpr, BLOCK_K: gl.constexpr, COLS: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """ACC[id_u, :] += scale * (A^T B)[u, :] for the chunk's IDs, COLS columns at a time:
     ``a_t`` [BLOCK_K, PAIRS] (P^T or dS^T, a transposed view), B ``b_smem`` [PAIRS, D] (dO
-    or Q). IDs past the union's count repeat routed IDs and add rows of zeros. With
+    or Q). A is loaded into registers once and feeds every block's product: m64n16 products
+    with A in shared memory re-read all of it per block, 2 KiB per 0.5 KiB of B, which bound
+    them by shared-memory reads. IDs past the union's count repeat routed IDs and add rows of zeros. With
     DETERMINISTIC, ACC holds int64 sums: each scaled product times ``factor`` (the
     fixed-point scale 2**e) rounded to the nearest integer, ties to even, as
     ``backward.py`` rounds them (``fixed_point.add_fixed``)."""
@@ -151,6 +155,7 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
     rows = gl.convert_layout(ids, gl.SliceLayout(1, add_layout))
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, add_layout))
     zero = gl.zeros([BLOCK_K, COLS], gl.float32, layout=acc_layout)
+    a_t = a_t.load(gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))  # [BLOCK_K, PAIRS]
     # block h + 1's product runs while block h is added
     block = warpgroup_mma(a_t, b_smem.slice(0, COLS, dim=1), zero, use_acc=False, is_async=True)
     for h in gl.static_range(D // COLS):

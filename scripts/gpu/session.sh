@@ -20,6 +20,7 @@
 #   the Hopper forward against forward.py (carry .whl):    bash scripts/gpu/session.sh sm90fwd
 #   the Hopper backward against backward.py (carry .whl):  bash scripts/gpu/session.sh sm90bwd
 #   both Hopper kernels against forward.py / backward.py (carry .whl): bash scripts/gpu/session.sh sm90next, then sm90check
+#   a backward change's whole check and timing in one call (carry .whl): bash scripts/gpu/session.sh adopt
 #   this tree's Hopper kernels beside another commit's (git worktree add --detach .base REF; carry .base .whl):
 #                                                          bash scripts/gpu/session.sh sm90ab
 #
@@ -30,7 +31,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, adopt or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -151,6 +152,24 @@ complete)
   beside sanitize_jax 300 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton \
     --timeout-s 290
   wait
+  ;;
+adopt)
+  # a backward change in one call: complete's checks side by side (the parity matrix of both
+  # frameworks, the backward's GPU tests, memcheck), then alone the side-by-side timing at
+  # S=8192 / 32768 (J 0.3, 0.8) / 131072 and the deterministic backward's probe
+  beside parity 300 python3 scripts/gpu/run_parity_and_bench.py --out "$R/parity" --skip-bench --skip-api \
+    --budget 270 --parity-args "--backends triton,jax-triton"
+  beside gpu_tests 330 python3 -m pytest -q -p no:cacheprovider tests/test_backward_sm90.py \
+    tests/test_triton_deterministic.py tests/test_jax_triton.py tests/test_torch_api.py tests/test_triton_qsa.py
+  beside sanitize_triton 300 compute-sanitizer --tool memcheck --print-limit 30 \
+    python3 scripts/gpu/check_triton.py --sanitizer-probe
+  beside sanitize_det 240 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer --sanitizer-timeout 220
+  beside sanitize_jax 300 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton \
+    --timeout-s 290
+  wait
+  alone bench 150 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
+    --overlaps-at 32768=0.3,0.8 --backends torch-dense-sdpa,triton,jax-triton --time-budget 120 --out "$R/bench"
+  alone probe_deterministic 100 python3 scripts/gpu/probe_deterministic.py --out "$R/probe_deterministic"
   ;;
 final)
   # timing only, each step alone: (24,2) across S and overlap, (12,1), the Hopper forward's probe
