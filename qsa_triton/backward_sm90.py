@@ -14,10 +14,10 @@ Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per 
    producer, which gathers the next chunk meanwhile,
 4. once both halves of P and dS are stored, builds one of the chunk's two [64 IDs, 256]
    gradient blocks over all 128 pairs, GRAD_COLS columns at a time with the next block's
-   product in flight while one is added (2 x 8 registers beside dQ's 128 and A's 32): the first
-   consumer dV = P^T dO, the second dK = scale * dS^T Q (P^T or dS^T loaded into registers
-   once per chunk, the A operand of every block's product); each block is moved within its
-   warps (shuffles) to runs of 4 adjacent columns per thread and added to DV / DK with
+   product in flight while one is added (2 x 8 registers beside dQ's 128 and A's 32): the
+   first consumer dV = P^T dO, the second dK = scale * dS^T Q (P^T or dS^T loaded into
+   registers once per chunk, the A operand of every block's product); each block is moved
+   within its warps (shuffles) to runs of 4 adjacent columns per thread and added to DV / DK with
    relaxed v4 fp32 atomics, or with DETERMINISTIC rounded to int64 in place and added
    with scalar 64-bit atomics (64-bit adds have no vector form).
 The producer loads each chunk's IDs once for its K and V gathers, a chunk ahead; a consumer
@@ -139,11 +139,11 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
                D: gl.constexpr, BLOCK_K: gl.constexpr, COLS: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """ACC[id_u, :] += scale * (A^T B)[u, :] for the chunk's IDs, COLS columns at a time:
     ``a_t`` [BLOCK_K, PAIRS] (P^T or dS^T, a transposed view), B ``b_smem`` [PAIRS, D] (dO
-    or Q). A is loaded into registers once and feeds every block's product: m64n16 products
-    with A in shared memory re-read all of it per block, 2 KiB per 0.5 KiB of B, which bound
-    them by shared-memory reads. IDs past the union's count repeat routed IDs and add rows of zeros. With
-    DETERMINISTIC, ACC holds int64 sums: each scaled product times ``factor`` (the
-    fixed-point scale 2**e) rounded to the nearest integer, ties to even, as
+    or Q). A is loaded into registers once and feeds every block's product (m64n16 products
+    reading A from shared memory re-read all of it per block, 2 KiB per k-step beside B's
+    0.5 KiB: bound by shared-memory reads). IDs past the union's count repeat routed IDs and
+    add rows of zeros. With DETERMINISTIC, ACC holds int64 sums: each scaled product times
+    ``factor`` (the fixed-point scale 2**e) rounded to the nearest integer, ties to even, as
     ``backward.py`` rounds them (``fixed_point.add_fixed``)."""
     nw: gl.constexpr = gl.num_warps()
     gl.static_assert(nw == 4 and BLOCK_K == 64 and COLS >= 16, "_add_layout is built for 4 warps, 64 IDs")
