@@ -25,10 +25,10 @@ loads them for its adds while its dQ product runs, in the gradient blocks' row l
 The S, dP and dQ products are at least m64n64 (docs/design-token-gather.md: the register
 and shared memory budget). The loop takes its shared-memory views afresh per chunk, from an index
 that is zero at run time but not provably so, which keeps ~70 wgmma descriptors from
-being hoisted out of the loop and spilled (sm_90a, triton 3.6 and its ptxas: 64 bytes of
+being hoisted out of the loop and spilled (sm_90a, triton 3.6 and its ptxas: 12 bytes of
 spills instead of ~1.9 KB). ptxas serializes the wgmma for want of registers (warning
-C7512) when fed triton 3.9's PTX, or with two 32-column blocks in flight and v4 adds: check
-``ptxas -v`` for the triton a measurement uses. Each chunk's dK/dV rows are added once per
+C7512) when fed triton 3.9's PTX, or with two 32-column blocks in flight and v4 adds:
+``scripts/ptxas_report.py`` prints the figures for the installed triton. Each chunk's dK/dV rows are added once per
 program, as in ``backward.py``. Its dQ sums the chunks in ``backward.py``'s order at 64-ID
 chunks.
 
