@@ -31,7 +31,7 @@ __all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS
            "backward_launch", "forward_sm90_launch", "SM90_FORWARD_SHARED", "backward_sm90_launch",
            "SM90_BACKWARD_SHARED",
            "fixed_point_bounds", "fixed_point_launch", "keys_launch", "merge_launch", "bitmap_window", "mark_launch",
-           "compact_launch", "cut_launch", "kernel", "interpreted", "interprets"]
+           "compact_launch", "cut_launch", "kernel", "compile_signature", "interpreted", "interprets"]
 
 LOG2E = 1.4426950408889634
 UNION_BLOCK = 1024  # keys (IDs) per step of the union kernels
@@ -451,6 +451,33 @@ def kernel(name: str):
 
     module, attr = _MODULES[name]
     return getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+
+
+_TRITON_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "int32": "*i32"}
+
+
+def compile_signature(launch: Launch, input_dtypes: dict[str, str], *, integers_constant: bool = False):
+    """``(signature, constexprs, attrs)`` for compiling ``launch``'s kernel ahead of time
+    (``triton.compile`` of an ``ASTSource`` / ``GluonASTSource``) as a launcher specialises
+    it: pointers typed from ``input_dtypes`` (input name -> dtype name) and the outputs'
+    dtypes, fp32 scalars, constexpr parameters, booleans and 1 as constants, other
+    integers as i32 runtime arguments (torch's JIT) or, with ``integers_constant``, as
+    constants (jax-triton); pointers and integers that are multiples of 16 marked divisible
+    by 16 (imports triton)."""
+    fn = kernel(launch.kernel)
+    params = dict(launch.params)
+    sig = {n: _TRITON_TYPES[input_dtypes[n]] for n in launch.inputs}
+    sig.update({n: "fp32" for n, _ in launch.scalars})
+    sig.update({o.name: _TRITON_TYPES[o.dtype] for o in launch.outputs})
+    constexprs = {}
+    for n, v in launch.params:
+        if integers_constant or fn.params[fn.arg_names.index(n)].is_constexpr or isinstance(v, bool) or v == 1:
+            constexprs[n], sig[n] = v, "constexpr"
+        else:
+            sig[n] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and params[n] % 16 == 0)}
+    return sig, constexprs, attrs
 
 
 def interpreted() -> bool:

@@ -27,7 +27,6 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PTR = {"float32": "*fp32", "bfloat16": "*bf16", "int32": "*i32"}
 TYPES = dict(Q="bfloat16", K="bfloat16", V="bfloat16", O="bfloat16", DO="bfloat16", LSE="float32",
              UNION="int32", COUNT="int32", ROWBITS="int32", MAXIMA="float32")
 KERNELS = ("forward", "backward", "backward-deterministic")
@@ -68,18 +67,7 @@ def compile_ptx(launch):
     from qsa_triton import launch as spec
 
     fn = spec.kernel(launch.kernel)
-    params = dict(launch.params)
-    sig = {n: PTR[TYPES[n]] for n in launch.inputs}
-    sig.update({n: "fp32" for n, _ in launch.scalars})
-    sig.update({o.name: PTR[o.dtype] for o in launch.outputs})
-    constexprs = {}
-    for n, v in launch.params:
-        if fn.params[fn.arg_names.index(n)].is_constexpr or isinstance(v, bool) or v == 1:
-            constexprs[n], sig[n] = v, "constexpr"
-        else:
-            sig[n] = "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or (sig[n] == "i32" and params[n] % 16 == 0)}
+    sig, constexprs, attrs = spec.compile_signature(launch, TYPES)
     kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=launch.num_warps))
     return kernel.asm["ptx"], kernel.metadata

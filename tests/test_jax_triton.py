@@ -500,7 +500,6 @@ from qsa_triton import DEFAULT_BLOCK_SIZES, make_plan
 from qsa_triton import launch as spec
 from qsa_triton.plan import union_recipe
 
-PTR = {"float32": "*fp32", "bfloat16": "*bf16", "int32": "*i32"}
 TYPES = dict(Q="bfloat16", K="bfloat16", V="bfloat16", O="bfloat16", DO="bfloat16", LSE="float32",
              UNION="int32", COUNT="int32", ROWBITS="int32", MAXIMA="float32")
 plan = make_plan(12, 256, DEFAULT_BLOCK_SIZES)
@@ -519,18 +518,7 @@ def compile_ptx(launch, jax_triton):
     # compiled for sm_90a as each launcher specialises it: torch's JIT (runtime integers, 1
     # as a constant, multiples of 16 marked divisible), jax-triton (integers as constants)
     fn = spec.kernel(launch.kernel)
-    params = dict(launch.params)
-    sig = {n: PTR[TYPES[n]] for n in launch.inputs}
-    sig.update({n: "fp32" for n, _ in launch.scalars})
-    sig.update({o.name: PTR[o.dtype] for o in launch.outputs})
-    constexprs = {}
-    for n, v in launch.params:
-        if jax_triton or fn.params[fn.arg_names.index(n)].is_constexpr or isinstance(v, bool) or v == 1:
-            constexprs[n], sig[n] = v, "constexpr"
-        else:
-            sig[n] = "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or (sig[n] == "i32" and params[n] % 16 == 0)}
+    sig, constexprs, attrs = spec.compile_signature(launch, TYPES, integers_constant=jax_triton)
     kernel = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
