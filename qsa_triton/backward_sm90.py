@@ -17,9 +17,9 @@ Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per 
    product in flight while one is added (2 x 8 registers beside dQ's 128 and A's 32): the
    first consumer dV = P^T dO, the second dK = scale * dS^T Q (P^T or dS^T loaded into
    registers once per chunk, the A operand of every block's product); each block is moved
-   within its warps (shuffles) to runs of 4 adjacent columns per thread and added to DV / DK with
-   relaxed v4 fp32 atomics, or with DETERMINISTIC rounded to int64 in place and added
-   with scalar 64-bit atomics (64-bit adds have no vector form).
+   within its warps (shuffles) to runs of 4 adjacent columns per thread and added to DV /
+   DK with relaxed v4 fp32 atomics, or with DETERMINISTIC rounded to int64 in place and
+   added with scalar 64-bit atomics (64-bit adds have no vector form).
 The producer loads each chunk's IDs once for its K and V gathers, a chunk ahead; a consumer
 loads them for its adds while its dQ product runs, in the gradient blocks' row layout.
 The S, dP and dQ products are at least m64n64 (docs/design-token-gather.md: the register
@@ -28,9 +28,9 @@ that is zero at run time but not provably so, which keeps ~70 wgmma descriptors 
 being hoisted out of the loop and spilled (sm_90a, triton 3.6 and its ptxas: 12 bytes of
 spills instead of ~1.9 KB). ptxas serializes the wgmma for want of registers (warning
 C7512) when fed triton 3.9's PTX, or with two 32-column blocks in flight and v4 adds:
-``scripts/ptxas_report.py`` prints the figures for the installed triton. Each chunk's dK/dV rows are added once per
-program, as in ``backward.py``. Its dQ sums the chunks in ``backward.py``'s order at 64-ID
-chunks.
+``scripts/ptxas_report.py`` prints the figures for the installed triton. Each chunk's dK/dV
+rows are added once per program, as in ``backward.py``. Its dQ sums the chunks in
+``backward.py``'s order at 64-ID chunks.
 
 Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
 scalars, outputs, then integers and constexprs (by keyword).
@@ -134,6 +134,13 @@ def _add_layout(rows, cols):
     return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, cols])
 
 
+@gluon.constexpr_function
+def _adds_layout(num_warps, rows, cols, deterministic):
+    """The layout the gradient blocks are added in: :func:`_add_layout` for the v4 fp32
+    adds; for the int64 adds (scalar: no vector form) the accumulator's own."""
+    return _wgmma_layout(num_warps, cols) if deterministic else _add_layout(rows, cols)
+
+
 @gluon.jit
 def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
                D: gl.constexpr, BLOCK_K: gl.constexpr, COLS: gl.constexpr, DETERMINISTIC: gl.constexpr):
@@ -148,10 +155,10 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
     nw: gl.constexpr = gl.num_warps()
     gl.static_assert(nw == 4 and BLOCK_K == 64 and COLS >= 16, "_add_layout is built for 4 warps, 64 IDs")
     acc_layout: gl.constexpr = _wgmma_layout(nw, COLS)
-    # the adds' layout: each warp keeps the accumulator's 16 rows, 4 adjacent columns per
-    # thread (the conversion stays within each warp: shuffles, no shared memory), so each
-    # add is a v4 fp32 atomic
-    add_layout: gl.constexpr = _add_layout(BLOCK_K, COLS)
+    # the adds' layout: fp32, each warp keeps the accumulator's 16 rows, 4 adjacent columns
+    # per thread (the conversion stays within each warp: shuffles, no shared memory), so each
+    # add is a v4 fp32 atomic; int64 (64-bit adds have no vector form), the accumulator's own
+    add_layout: gl.constexpr = _adds_layout(nw, BLOCK_K, COLS, DETERMINISTIC)
     rows = gl.convert_layout(ids, gl.SliceLayout(1, add_layout))
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, add_layout))
     zero = gl.zeros([BLOCK_K, COLS], gl.float32, layout=acc_layout)
@@ -165,19 +172,14 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
         else:
             block = warpgroup_mma_wait(0, deps=[block])
         if DETERMINISTIC:
-            # 64-bit adds have no vector form: each in the accumulator's own layout
-            fixed = gl.inline_asm_elementwise("cvt.rni.s64.f32 $0, $1;", "=l,f", [block * scale * factor],
-                                              dtype=gl.int64, is_pure=True, pack=1)
-            acc_rows = gl.convert_layout(rows, gl.SliceLayout(1, acc_layout))
-            acc_cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
-            acc_ptr = ACC + (acc_base + h * COLS) + acc_rows * sdk_s
-            gl.atomic_add(gl.expand_dims(acc_ptr, 1) + gl.expand_dims(acc_cols, 0), fixed, sem="relaxed")
+            values = gl.inline_asm_elementwise("cvt.rni.s64.f32 $0, $1;", "=l,f", [block * scale * factor],
+                                               dtype=gl.int64, is_pure=True, pack=1)
         else:
-            # the block's column offset goes into the row pointers, so the [BLOCK_K, COLS]
-            # offsets are one loop-invariant set of int32 columns, not one int64 set per block
-            row_ptr = ACC + (acc_base + h * COLS) + rows * sdk_s
-            gl.atomic_add(gl.expand_dims(row_ptr, 1) + gl.expand_dims(cols, 0),
-                          gl.convert_layout(block * scale, add_layout), sem="relaxed")
+            values = gl.convert_layout(block * scale, add_layout)
+        # the block's column offset goes into the row pointers, so the [BLOCK_K, COLS]
+        # offsets are one loop-invariant set of int32 columns, not one int64 set per block
+        row_ptr = ACC + (acc_base + h * COLS) + rows * sdk_s
+        gl.atomic_add(gl.expand_dims(row_ptr, 1) + gl.expand_dims(cols, 0), values, sem="relaxed")
         if h + 1 < D // COLS:
             block = nxt
 
