@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_common import Record, cuda_ms, log, run_step  # noqa: E402
+from gpu_common import Record, log, run_step  # noqa: E402
 
 
 def _both(q, k, v, routes, scale, group):
@@ -50,25 +50,20 @@ def _both(q, k, v, routes, scale, group):
 
 
 def _timing(seq: int, overlap: float) -> dict:
-    """Both kernels alone at (S, overlap): B=1, (24,2), D=256, bf16, the benchmark's routes."""
-    import torch
+    """Both kernels alone at (S, overlap): the benchmark's (24,2), D=256, bf16 problem and routes."""
+    from gpu_common import probe_shape
 
-    from parity.bench_routes import _make_routes, overlap_label
-
-    device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(1, seq, 24, 256, device=device, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(1, seq, 2, 256, device=device, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(1, seq, 2, 256, device=device, dtype=torch.bfloat16, generator=gen)
-    routes = torch.from_numpy(_make_routes(seq, overlap_label(overlap), 512, 0)).to(device)
-    useful = 4 * float((routes >= 0).sum()) * 24 * 256
-    hopper, generic = _both(q, k, v, routes, 256 ** -0.5, 12)
+    shape = probe_shape(False, seq, [overlap])
+    q, k, v, _ = shape.inputs()
+    routes = shape.routes(overlap)
+    useful = 4 * float((routes >= 0).sum()) * shape.heads[0] * shape.head_dim
+    hopper, generic = _both(q, k, v, routes, shape.head_dim ** -0.5, shape.heads[0] // shape.heads[1])
     h, g = hopper(), generic()
     result = {"max_abs_o_diff": (h["O"].float() - g["O"].float()).abs().max().item(),
               "max_abs_lse_diff": (h["LSE"] - g["LSE"]).abs().max().item()}
     del h, g
     for name, fn in (("sm90", hopper), ("generic", generic)):
-        ms = cuda_ms(fn)
+        ms = shape.timer(fn)
         result[f"{name}_ms"] = ms
         result[f"{name}_tflops"] = useful / ms / 1e9
     return result

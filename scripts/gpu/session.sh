@@ -48,6 +48,15 @@ T0=$(date +%s)
 stamp() { echo "$1 rc=$2 at $(( $(date +%s) - T0 ))s" >> "$R/steps.log"; }
 alone() { local name=$1 limit=$2; shift 2; timeout "$limit" "$@" > "$R/$name.log" 2>&1; stamp "$name" $?; }
 beside() { local name=$1 limit=$2; shift 2; ( timeout "$limit" "$@" > "$R/$name.log" 2>&1; stamp "$name" $? ) & }
+# compute-sanitizer memcheck of the three probes (torch Triton, the deterministic backward, JAX
+# triton), side by side
+memcheck_all() {
+  beside sanitize_triton 300 compute-sanitizer --tool memcheck --print-limit 30 \
+    python3 scripts/gpu/check_triton.py --sanitizer-probe
+  beside sanitize_det 240 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer --sanitizer-timeout 220
+  beside sanitize_jax 300 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton \
+    --timeout-s 290
+}
 python3 - > "$R/environment.log" 2>&1 <<'PY'
 import importlib, platform, subprocess
 print(platform.python_version(), subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout)
@@ -146,11 +155,7 @@ complete)
     --budget 440 --parity-args "--backends triton,jax-triton"
   beside gpu_tests 470 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_backward_sm90.py \
     tests/test_triton_qsa.py tests/test_triton_deterministic.py tests/test_jax_triton.py tests/test_torch_api.py
-  beside sanitize_triton 300 compute-sanitizer --tool memcheck --print-limit 30 \
-    python3 scripts/gpu/check_triton.py --sanitizer-probe
-  beside sanitize_det 240 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer --sanitizer-timeout 220
-  beside sanitize_jax 300 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton \
-    --timeout-s 290
+  memcheck_all
   wait
   ;;
 adopt)
@@ -161,11 +166,7 @@ adopt)
     --budget 270 --parity-args "--backends triton,jax-triton"
   beside gpu_tests 330 python3 -m pytest -q -p no:cacheprovider tests/test_backward_sm90.py \
     tests/test_triton_deterministic.py tests/test_jax_triton.py tests/test_torch_api.py tests/test_triton_qsa.py
-  beside sanitize_triton 300 compute-sanitizer --tool memcheck --print-limit 30 \
-    python3 scripts/gpu/check_triton.py --sanitizer-probe
-  beside sanitize_det 240 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer --sanitizer-timeout 220
-  beside sanitize_jax 300 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton \
-    --timeout-s 290
+  memcheck_all
   wait
   alone bench 150 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
     --overlaps-at 32768=0.3,0.8 --backends torch-dense-sdpa,triton,jax-triton --time-budget 120 --out "$R/bench"
