@@ -13,9 +13,9 @@ Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per 
 3. adds dS K into its dQ ([64, 256] fp32 in registers) and releases K and V to the
    producer, which gathers the next chunk meanwhile,
 4. once both halves of P and dS are stored, builds one of the chunk's two [64 IDs, 256]
-   gradient blocks over all 128 pairs, GRAD_COLS columns at a time with the next block's
-   product in flight while one is added (2 x 8 registers beside dQ's 128 and A's 32): the
-   first consumer dV = P^T dO, the second dK = scale * dS^T Q (P^T or dS^T loaded into
+   gradient blocks over all 128 pairs, GRAD_COLS columns at a time, one block in flight
+   (16 registers beside dQ's 128 and A's 32): the first consumer dV = P^T dO, the
+   second dK = scale * dS^T Q (P^T or dS^T loaded into
    registers once per chunk, the A operand of every block's product); each block is moved
    within its warps (shuffles) to runs of 4 adjacent columns per thread and added to DV /
    DK with relaxed v4 fp32 atomics, or with DETERMINISTIC rounded to int64 in place and
@@ -27,7 +27,7 @@ and shared memory budget). The loop takes its shared-memory views afresh per chu
 that is zero at run time but not provably so, which keeps ~70 wgmma descriptors from
 being hoisted out of the loop and spilled (sm_90a, triton 3.6 and its ptxas: 12 bytes of
 spills instead of ~1.9 KB). ptxas serializes the wgmma for want of registers (warning
-C7512) when fed triton 3.9's PTX, or with two 32-column blocks in flight and v4 adds:
+C7512) when fed triton 3.9's PTX, or with a second 32-column block in flight beside v4 adds:
 ``scripts/ptxas_report.py`` prints the figures for the installed triton. Each chunk's dK/dV
 rows are added once per program, as in ``backward.py``. Its dQ sums the chunks in
 ``backward.py``'s order at 64-ID chunks.
@@ -50,13 +50,13 @@ from .forward_sm90 import _chunk_ids, _gather_to_shared, _pairs, _wgmma_layout
 PRODUCER_WARPS = gl.constexpr(4)
 # registers per thread (setmaxnreg): the producer gathers 16 rows at a time; a consumer holds
 # dQ ([64, 256] fp32: 128) and either S and dP (2 x 32) or the gradient blocks' A operand
-# ([64, 128] 16-bit: 32) and two [64, GRAD_COLS] blocks (2 x 8).
+# ([64, 128] 16-bit: 32) and one [64, GRAD_COLS] block (16).
 # The second consumer gets CONSUMER_REGS, the first (the default partition) what is left of
 # 3 x 168: 224 (fewer spills in all than 40 / 232 / 232 at sm_90a, triton 3.6)
 PRODUCER_REGS = gl.constexpr(48)
 CONSUMER_REGS = gl.constexpr(232)
 SUB_ROWS = gl.constexpr(16)  # K/V rows per producer gather step
-GRAD_COLS = gl.constexpr(16)  # columns of a gradient block (two in flight: 2 x 8 registers)
+GRAD_COLS = gl.constexpr(32)  # columns of a gradient block (m64n32 products, one in flight)
 LOG2E = gl.constexpr(1.4426950408889634)
 
 # barriers (indices into ``bars``): Q/dO loaded, K ready, V ready, K/V free, P/dS stored
@@ -146,9 +146,9 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
                D: gl.constexpr, BLOCK_K: gl.constexpr, COLS: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """ACC[id_u, :] += scale * (A^T B)[u, :] for the chunk's IDs, COLS columns at a time:
     ``a_t`` [BLOCK_K, PAIRS] (P^T or dS^T, a transposed view), B ``b_smem`` [PAIRS, D] (dO
-    or Q). A is loaded into registers once and feeds every block's product (m64n16 products
+    or Q). A is loaded into registers once and feeds every block's product (products
     reading A from shared memory re-read all of it per block, 2 KiB per k-step beside B's
-    0.5 KiB: bound by shared-memory reads). IDs past the union's count repeat routed IDs and
+    COLS * 32 bytes: bound by shared-memory reads). IDs past the union's count repeat routed IDs and
     add rows of zeros. With DETERMINISTIC, ACC holds int64 sums: each scaled product times
     ``factor`` (the fixed-point scale 2**e) rounded to the nearest integer, ties to even, as
     ``backward.py`` rounds them (``fixed_point.add_fixed``)."""
@@ -163,14 +163,12 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, add_layout))
     zero = gl.zeros([BLOCK_K, COLS], gl.float32, layout=acc_layout)
     a_t = a_t.load(gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))  # [BLOCK_K, PAIRS]
-    # block h + 1's product runs while block h is added
-    block = warpgroup_mma(a_t, b_smem.slice(0, COLS, dim=1), zero, use_acc=False, is_async=True)
+    # one block at a time: a second [64, COLS] block in flight makes ptxas serialize the
+    # wgmma at COLS = 32 (C7512); the other consumer's products fill the tensor cores while
+    # this one adds
     for h in gl.static_range(D // COLS):
-        if h + 1 < D // COLS:
-            nxt = warpgroup_mma(a_t, b_smem.slice((h + 1) * COLS, COLS, dim=1), zero, use_acc=False, is_async=True)
-            block = warpgroup_mma_wait(1, deps=[block])
-        else:
-            block = warpgroup_mma_wait(0, deps=[block])
+        block = warpgroup_mma(a_t, b_smem.slice(h * COLS, COLS, dim=1), zero, use_acc=False, is_async=True)
+        block = warpgroup_mma_wait(0, deps=[block])
         if DETERMINISTIC:
             values = gl.inline_asm_elementwise("cvt.rni.s64.f32 $0, $1;", "=l,f", [block * scale * factor],
                                                dtype=gl.int64, is_pure=True, pack=1)
@@ -180,8 +178,6 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
         # offsets are one loop-invariant set of int32 columns, not one int64 set per block
         row_ptr = ACC + (acc_base + h * COLS) + rows * sdk_s
         gl.atomic_add(gl.expand_dims(row_ptr, 1) + gl.expand_dims(cols, 0), values, sem="relaxed")
-        if h + 1 < D // COLS:
-            block = nxt
 
 
 @gluon.jit
