@@ -16,6 +16,7 @@
 #   Nsight Compute of both kernels (warm):        bash scripts/gpu/session.sh profile
 #   main's whole GPU check, no timing (carry .whl): bash scripts/gpu/session.sh complete
 #   the side-by-side timing, both head configs (carry .whl): bash scripts/gpu/session.sh final
+#   the same without the forward probe, then the deterministic probe (carry .whl): bash scripts/gpu/session.sh sweep
 #   torch's host time per step, S=8192 beside dense (carry .whl): bash scripts/gpu/session.sh host
 #   the Hopper forward against forward.py (carry .whl):    bash scripts/gpu/session.sh sm90fwd
 #   the Hopper backward against backward.py (carry .whl):  bash scripts/gpu/session.sh sm90bwd
@@ -31,7 +32,7 @@
 # not quoted). Every step has a
 # time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, adopt or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, sweep, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, adopt or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 R=$OUT/$phase
@@ -179,6 +180,15 @@ final)
   alone bench_12x1 120 python3 -m parity.bench --heads 12:1 --seq-lens 8192 --overlaps 0.8 \
     --overlaps-at 32768=0.3,0.8 --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench_12x1"
   alone forward_sm90 150 python3 scripts/gpu/probe_forward_sm90.py --out "$R/forward_sm90" --budget-s 130
+  ;;
+sweep)
+  # timing only, each step alone: final's two side-by-side benches (no forward probe), then the
+  # deterministic backward's probe
+  alone bench 200 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
+    --overlaps-at 32768=0.3,0.6,0.8,0.9 --backends torch-dense-sdpa,triton,jax-triton --time-budget 160 --out "$R/bench"
+  alone bench_12x1 120 python3 -m parity.bench --heads 12:1 --seq-lens 8192 --overlaps 0.8 \
+    --overlaps-at 32768=0.3,0.8 --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench_12x1"
+  alone probe_deterministic 100 python3 scripts/gpu/probe_deterministic.py --out "$R/probe_deterministic"
   ;;
 host)
   # torch's host time per step (launch gaps are GPU idle at small S), then S=8192 timing, both
