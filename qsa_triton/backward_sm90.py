@@ -14,12 +14,13 @@ Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per 
    producer, which gathers the next chunk meanwhile,
 4. once both halves of P and dS are stored, builds one of the chunk's two [64 IDs, 256]
    gradient blocks over all 128 pairs, GRAD_COLS columns at a time, one block in flight
-   (16 registers beside dQ's 128 and A's 32): the first consumer dV = P^T dO, the
-   second dK = scale * dS^T Q (P^T or dS^T loaded into
-   registers once per chunk, the A operand of every block's product); each block is moved
-   within its warps (shuffles) to runs of 4 adjacent columns per thread and added to DV /
-   DK with relaxed v4 fp32 atomics, or with DETERMINISTIC rounded to int64 in place and
-   added with scalar 64-bit atomics (64-bit adds have no vector form).
+   (16 registers beside dQ's 128 and A's 32): the first consumer dV = P^T dO, the second
+   dK = scale * dS^T Q (P^T or dS^T loaded into registers once per chunk, the A operand
+   of every block's product); each block is moved within its warps (shuffles) to a
+   layout whose warp instructions add whole 128-byte lines, and added to DV / DK with
+   relaxed v4 fp32 atomics (4 adjacent columns per thread), or with DETERMINISTIC one
+   column per lane, rounded to int64 and added with scalar 64-bit atomics (64-bit adds
+   have no vector form).
 The producer loads each chunk's IDs once for its K and V gathers, a chunk ahead; a consumer
 loads them for its adds while its dQ product runs, in the gradient blocks' row layout.
 The S, dP and dQ products are at least m64n64 (docs/design-token-gather.md: the register
@@ -124,21 +125,34 @@ def _gather_rows(smem, base, stride, ids0, ids1, ids2, ids3, cols):
 
 
 @gluon.constexpr_function
-def _add_layout(rows, cols):
-    """The m64nN wgmma accumulator's layout on 4 warps ([rows, cols] = [64, N], N >= 16),
-    with the lane bit of column 2 and the register bit of column 8 swapped: each thread
-    holds runs of 4 adjacent columns (one v4 fp32 atomic each), each warp the same 16 rows."""
-    reg = [[0, 1], [0, 2], [8, 0]] + [[0, 1 << b] for b in range(4, cols.bit_length() - 1)]
-    lane = [[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]]
-    warp = [[16, 0], [32, 0]]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, cols])
+def _in_warps(rows, cols, reg, lane):
+    """A [rows, cols] = [64, 32] layout on 4 warps, each warp the wgmma accumulator's 16 rows."""
+    return gl.DistributedLinearLayout(reg, lane, [[16, 0], [32, 0]], [], [rows, cols])
 
 
 @gluon.constexpr_function
-def _adds_layout(num_warps, rows, cols, deterministic):
-    """The layout the gradient blocks are added in: :func:`_add_layout` for the v4 fp32
-    adds; for the int64 adds (scalar: no vector form) the accumulator's own."""
-    return _wgmma_layout(num_warps, cols) if deterministic else _add_layout(rows, cols)
+def _add_steps(rows, cols, deterministic):
+    """The layouts a [64, 32] gradient block passes through on its way from the m64n32
+    accumulator's (registers: column 1, row 8, columns 8 and 16; lanes: columns 2 and 4,
+    rows 1, 2 and 4) to the one it is added in, one lane bit exchanged with one register
+    bit per step: a shuffle within each warp (Gluon converts layouts that differ in more
+    bits at once through shared memory, of which there is none left). In the last layout
+    each warp instruction adds whole 128-byte lines: fp32, 4 adjacent columns per thread
+    (one v4 atomic) and 8 lanes per row, 4 rows x 128 bytes; int64 (64-bit adds have no
+    vector form), one column per lane, one row of 256 bytes (in the accumulator's own
+    layout an instruction touched 8 rows x 32 bytes, at half the speed)."""
+    if not deterministic:
+        return [_in_warps(rows, cols, [[0, 1], [0, 2], [8, 0], [0, 16]], [[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]]),
+                _in_warps(rows, cols, [[0, 1], [0, 2], [8, 0], [4, 0]], [[0, 8], [0, 4], [1, 0], [2, 0], [0, 16]])]
+    return [_in_warps(rows, cols, [[1, 0], [8, 0], [0, 8], [0, 16]], [[0, 2], [0, 4], [0, 1], [2, 0], [4, 0]]),
+            _in_warps(rows, cols, [[1, 0], [8, 0], [2, 0], [0, 16]], [[0, 2], [0, 4], [0, 1], [0, 8], [4, 0]]),
+            _in_warps(rows, cols, [[1, 0], [8, 0], [2, 0], [4, 0]], [[0, 2], [0, 4], [0, 1], [0, 8], [0, 16]])]
+
+
+@gluon.constexpr_function
+def _add_layout(rows, cols, deterministic):
+    """The layout the gradient blocks are added in (the last of :func:`_add_steps`)."""
+    return _add_steps(rows, cols, deterministic)[-1]
 
 
 @gluon.jit
@@ -153,12 +167,10 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
     ``factor`` (the fixed-point scale 2**e) rounded to the nearest integer, ties to even, as
     ``backward.py`` rounds them (``fixed_point.add_fixed``)."""
     nw: gl.constexpr = gl.num_warps()
-    gl.static_assert(nw == 4 and BLOCK_K == 64 and COLS >= 16, "_add_layout is built for 4 warps, 64 IDs")
+    gl.static_assert(nw == 4 and BLOCK_K == 64 and COLS == 32, "_add_steps is built for 4 warps, [64, 32] blocks")
     acc_layout: gl.constexpr = _wgmma_layout(nw, COLS)
-    # the adds' layout: fp32, each warp keeps the accumulator's 16 rows, 4 adjacent columns
-    # per thread (the conversion stays within each warp: shuffles, no shared memory), so each
-    # add is a v4 fp32 atomic; int64 (64-bit adds have no vector form), the accumulator's own
-    add_layout: gl.constexpr = _adds_layout(nw, BLOCK_K, COLS, DETERMINISTIC)
+    steps: gl.constexpr = _add_steps(BLOCK_K, COLS, DETERMINISTIC)
+    add_layout: gl.constexpr = _add_layout(BLOCK_K, COLS, DETERMINISTIC)
     rows = gl.convert_layout(ids, gl.SliceLayout(1, add_layout))
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, add_layout))
     zero = gl.zeros([BLOCK_K, COLS], gl.float32, layout=acc_layout)
@@ -169,11 +181,14 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
     for h in gl.static_range(D // COLS):
         block = warpgroup_mma(a_t, b_smem.slice(h * COLS, COLS, dim=1), zero, use_acc=False, is_async=True)
         block = warpgroup_mma_wait(0, deps=[block])
+        # one conversion step between products, so that the steps are not folded into one
+        # conversion (through shared memory); the products in the same order as backward.py's
         if DETERMINISTIC:
-            values = gl.inline_asm_elementwise("cvt.rni.s64.f32 $0, $1;", "=l,f", [block * scale * factor],
+            scaled = gl.convert_layout(gl.convert_layout(block, steps[0]) * scale, steps[1]) * factor
+            values = gl.inline_asm_elementwise("cvt.rni.s64.f32 $0, $1;", "=l,f", [gl.convert_layout(scaled, steps[2])],
                                                dtype=gl.int64, is_pure=True, pack=1)
         else:
-            values = gl.convert_layout(block * scale, add_layout)
+            values = gl.convert_layout(gl.convert_layout(block, steps[0]) * scale, steps[1])
         # the block's column offset goes into the row pointers, so the [BLOCK_K, COLS]
         # offsets are one loop-invariant set of int32 columns, not one int64 set per block
         row_ptr = ACC + (acc_base + h * COLS) + rows * sdk_s
@@ -213,7 +228,7 @@ def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem,
 
     cols_k = gl.arange(0, BLOCK_K, layout=col_s)
     # the chunk IDs in the row layout of the gradient blocks' adds (``_add_block``)
-    ids_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _add_layout(BLOCK_K, GRAD_COLS)))
+    ids_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, _add_layout(BLOCK_K, GRAD_COLS, DETERMINISTIC)))
     zero_s = gl.zeros([ROWS, BLOCK_K], gl.float32, layout=s_layout)
     dq = gl.zeros([ROWS, D], gl.float32, layout=dq_layout)
     # dV = P^T dO, dK = scale * dS^T Q; with DETERMINISTIC int64 sums (in any 32-bit-word
