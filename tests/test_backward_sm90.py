@@ -52,6 +52,69 @@ def test_launch_scope():
     assert launch.arg_names() == fixed.arg_names() == tuple(spec.kernel(launch.kernel).arg_names)
 
 
+# The m64n32 wgmma accumulator's fragment (PTX ISA, "wgmma .m64nNk16 register fragment"),
+# per warp of 16 rows as [row, column] bases: registers column 1, row 8, columns 8 and 16;
+# lanes columns 2 and 4, rows 1, 2 and 4.
+_ACC_REG = [[0, 1], [8, 0], [0, 8], [0, 16]]
+_ACC_LANE = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+
+
+def _one_exchange(reg, lane, new_reg, new_lane) -> bool:
+    """Whether (new_reg, new_lane) is (reg, lane) with one lane basis exchanged for one
+    register basis (registers in any order: renaming them costs nothing)."""
+    changed = [i for i, (a, b) in enumerate(zip(lane, new_lane)) if a != b]
+    if len(changed) != 1:
+        return False
+    out, into = lane[changed[0]], new_lane[changed[0]]
+    return into in reg and sorted(map(tuple, new_reg)) == sorted(map(tuple, [out if r == into else r for r in reg]))
+
+
+def _instruction_footprints(reg, lane, vector_bits):
+    """Per warp instruction (one value of the register bits past the first ``vector_bits``,
+    which one vector atomic carries): the [row, column] elements its 32 lanes add."""
+    def element(bases, index):
+        r = c = 0
+        for bit, (dr, dc) in enumerate(bases):
+            if index >> bit & 1:
+                r, c = r ^ dr, c ^ dc
+        return r, c
+
+    vec, rest = reg[:vector_bits], reg[vector_bits:]
+    return [{tuple(a ^ b for a, b in zip(element(rest, i), element(lane + vec, j)))
+             for j in range(1 << (len(lane) + len(vec)))} for i in range(1 << len(rest))]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gradient_blocks_reach_whole_line_layouts_one_shuffle_at_a_time(deterministic):
+    """``backward_sm90._add_steps``: each step exchanges one lane bit for one register bit
+    (a shuffle; a conversion moving more bits at once goes through shared memory, which the
+    kernel has none of), starting from the accumulator's fragment; each warp keeps its 16
+    rows; in the last layout every warp instruction adds whole 128-byte lines (fp32: v4
+    runs, 4 rows x 32 columns; int64: one row of 32 columns) and each element once."""
+    pytest.importorskip("triton.experimental.gluon", reason="this triton has no Gluon")
+    from qsa_triton.backward_sm90 import _add_layout, _add_steps
+
+    steps = _add_steps(64, 32, deterministic)
+    reg, lane = _ACC_REG, _ACC_LANE
+    for layout in steps:
+        assert layout.warp_bases == [[16, 0], [32, 0]] and list(layout.shape) == [64, 32]
+        assert _one_exchange(reg, lane, layout.reg_bases, layout.lane_bases), (reg, lane, layout)
+        reg, lane = layout.reg_bases, layout.lane_bases
+    assert _add_layout(64, 32, deterministic) == steps[-1]
+    vector_bits, element_bytes = (0, 8) if deterministic else (2, 4)
+    if not deterministic:  # the v4 atomic's four adjacent columns
+        assert reg[:2] == [[0, 1], [0, 2]]
+    footprints = _instruction_footprints(reg, lane, vector_bits)
+    seen = set()
+    for elements in footprints:
+        assert len(elements) == 32 << vector_bits
+        rows = {r for r, _ in elements}
+        assert len(rows) * 32 == len(elements)  # whole rows of the block's 32 columns
+        assert 32 * element_bytes % 128 == 0
+        seen |= elements
+    assert len(seen) == 16 * 32  # the warp's 16 rows, each element in one instruction
+
+
 def _fresh_rng() -> np.random.Generator:
     seed = int(np.random.SeedSequence().entropy % 2**32)
     print(f"seed={seed}")

@@ -36,19 +36,37 @@ def test_parse_ptxas_reads_registers_spills_and_serialization():
         report.parse_ptxas("ptxas fatal   : Unsupported .version 9.4")
 
 
+def _report(tmp_path, kernels):
+    """The script's JSON report of ``kernels`` and its stdout (skips where Triton cannot
+    compile for sm_90a)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, SCRIPT, "--kernels", *kernels, "--json", str(out)], capture_output=True,
+                          text=True, timeout=900, env=env, cwd=ROOT)
+    if proc.returncode != 0 and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
+        pytest.skip(f"Triton cannot compile for sm_90a here: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
 def test_the_hopper_forward_compiles_and_reports(tmp_path):
     """The tuned Hopper forward compiled for sm_90a with the installed triton and its ptxas:
     the report names its registers (within sm_90's 255), its wgmma and its shared memory
     (two 64-ID K/V stages and Q: ~193 KiB)."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, SCRIPT, "--kernels", "forward", "--json", str(out)], capture_output=True,
-                          text=True, timeout=600, env=env, cwd=ROOT)
-    if proc.returncode != 0 and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
-        pytest.skip(f"Triton cannot compile for sm_90a here: {proc.stderr[-300:]}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(out.read_text())["forward"]
+    report, stdout = _report(tmp_path, ["forward"])
+    got = report["forward"]
     assert 0 < got["registers"] <= 255 and got["wgmma"] > 0, got
     assert 190_000 < got["shared_bytes"] <= 232_448, got
-    assert "forward" in proc.stdout and "registers" in proc.stdout
+    assert "forward" in stdout and "registers" in stdout
+
+
+def test_the_hopper_backward_fits_shared_memory(tmp_path):
+    """Both modes of the tuned Hopper backward: shared memory within sm_90's 227 KiB per
+    block (Q, dO, one K/V stage, P and dS: ~224 KiB; a gradient block's layout conversion
+    through shared memory instead of shuffles would not fit)."""
+    report, _ = _report(tmp_path, ["backward", "backward-deterministic"])
+    for name in ("backward", "backward-deterministic"):
+        got = report[name]
+        assert 220_000 < got["shared_bytes"] <= 232_448, (name, got)
+        assert 0 < got["registers"] <= 255 and got["wgmma"] > 0, (name, got)
