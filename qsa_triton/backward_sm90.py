@@ -183,12 +183,11 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
         block = warpgroup_mma_wait(0, deps=[block])
         # one conversion step between products, so that the steps are not folded into one
         # conversion (through shared memory); the products in the same order as backward.py's
+        values = gl.convert_layout(gl.convert_layout(block, steps[0]) * scale, steps[1])
         if DETERMINISTIC:
-            scaled = gl.convert_layout(gl.convert_layout(block, steps[0]) * scale, steps[1]) * factor
-            values = gl.inline_asm_elementwise("cvt.rni.s64.f32 $0, $1;", "=l,f", [gl.convert_layout(scaled, steps[2])],
+            values = gl.inline_asm_elementwise("cvt.rni.s64.f32 $0, $1;", "=l,f",
+                                               [gl.convert_layout(values * factor, steps[2])],
                                                dtype=gl.int64, is_pure=True, pack=1)
-        else:
-            values = gl.convert_layout(gl.convert_layout(block, steps[0]) * scale, steps[1])
         # the block's column offset goes into the row pointers, so the [BLOCK_K, COLS]
         # offsets are one loop-invariant set of int32 columns, not one int64 set per block
         row_ptr = ACC + (acc_base + h * COLS) + rows * sdk_s
