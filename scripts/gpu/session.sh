@@ -58,6 +58,13 @@ memcheck_all() {
   beside sanitize_jax 300 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton \
     --timeout-s 290
 }
+# the side-by-side timing, each step alone: (24,2) across S and overlap, then (12,1)
+side_by_side() {
+  alone bench 200 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
+    --overlaps-at 32768=0.3,0.6,0.8,0.9 --backends torch-dense-sdpa,triton,jax-triton --time-budget 160 --out "$R/bench"
+  alone bench_12x1 120 python3 -m parity.bench --heads 12:1 --seq-lens 8192 --overlaps 0.8 \
+    --overlaps-at 32768=0.3,0.8 --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench_12x1"
+}
 python3 - > "$R/environment.log" 2>&1 <<'PY'
 import importlib, platform, subprocess
 print(platform.python_version(), subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout)
@@ -175,19 +182,13 @@ adopt)
   ;;
 final)
   # timing only, each step alone: (24,2) across S and overlap, (12,1), the Hopper forward's probe
-  alone bench 200 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
-    --overlaps-at 32768=0.3,0.6,0.8,0.9 --backends torch-dense-sdpa,triton,jax-triton --time-budget 160 --out "$R/bench"
-  alone bench_12x1 120 python3 -m parity.bench --heads 12:1 --seq-lens 8192 --overlaps 0.8 \
-    --overlaps-at 32768=0.3,0.8 --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench_12x1"
+  side_by_side
   alone forward_sm90 150 python3 scripts/gpu/probe_forward_sm90.py --out "$R/forward_sm90" --budget-s 130
   ;;
 sweep)
   # timing only, each step alone: final's two side-by-side benches (no forward probe), then the
   # deterministic backward's probe
-  alone bench 200 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
-    --overlaps-at 32768=0.3,0.6,0.8,0.9 --backends torch-dense-sdpa,triton,jax-triton --time-budget 160 --out "$R/bench"
-  alone bench_12x1 120 python3 -m parity.bench --heads 12:1 --seq-lens 8192 --overlaps 0.8 \
-    --overlaps-at 32768=0.3,0.8 --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench_12x1"
+  side_by_side
   alone probe_deterministic 100 python3 scripts/gpu/probe_deterministic.py --out "$R/probe_deterministic"
   ;;
 host)
