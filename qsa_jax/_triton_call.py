@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qsa_triton import launch as spec
-from qsa_triton.plan import CutStep, SortStep, bitmap_recipe
+from qsa_triton.plan import CutStep, SortStep, rank_recipe
 
-__all__ = ["JaxTritonLauncher", "jax_triton", "install_gluon_compile", "sorted_unions", "bitmap_unions",
+__all__ = ["JaxTritonLauncher", "jax_triton", "install_gluon_compile", "sorted_unions", "rank_unions",
            "step_unions", "cut_unions", "operand"]
 
 
@@ -195,36 +195,40 @@ def sorted_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y:
     return merged["UNION"], merged["COUNT"], merged["ROWBITS"]
 
 
-def bitmap_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y: int, launcher):
-    """:func:`sorted_unions` without the sort: the mark and compact kernels
-    (``qsa_triton.union_bitmap``), window by window (``qsa_torch``'s recipe). XLA may
+def rank_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y: int, launcher, *,
+                padded: bool = True):
+    """:func:`sorted_unions` without the sort: the rank kernel (``qsa_triton.union_rank``),
+    window by window (``qsa_torch``'s recipe; its scratch outputs are dropped). XLA may
     schedule several windows' scratch at once, so torch's bound on it (the sort keys'
-    bytes) is not guaranteed here."""
+    bytes) is not guaranteed here. ``padded`` False leaves the entries past each count
+    unwritten. ``max_grid_y`` is unused (the grid is one-dimensional)."""
     bsz, _, k = routes.shape
     groups = bsz * step.n_groups
-    window = spec.bitmap_window(step, bsz, k, kv_length)
+    window = spec.rank_window(step, bsz, k, kv_length)
     parts = []
     for first in range(0, groups, window):
-        n_window = min(window, groups - first)
-        bits = launcher(spec.mark_launch(step, operand(routes), kv_length, first, n_window, max_grid_y),
-                        {"ROUTES": routes})
-        parts.append(launcher(spec.compact_launch(step, kv_length, n_window, interpreted=launcher.interpreted),
-                              bits))
+        launch = spec.rank_launch(step, operand(routes), kv_length, first, min(window, groups - first),
+                                  interpreted=launcher.interpreted, fill=padded)
+        parts.append(launcher(launch, {"ROUTES": routes}))
     union, rowbits, count = (parts[0][name] if len(parts) == 1 else jnp.concatenate([p[name] for p in parts])
                              for name in ("UNION", "ROWBITS", "COUNT"))
     shape = (bsz, step.n_groups, step.width)
     return union.reshape(shape), count.reshape(shape[:2]), rowbits.reshape(shape)
 
 
-def step_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y: int, launcher):
-    """``step``'s unions by the recipe ``qsa_triton.plan.bitmap_recipe`` picks."""
-    fn = bitmap_unions if bitmap_recipe(step, routes.shape[2], kv_length) else sorted_unions
-    return fn(routes, kv_length, step, max_grid_y, launcher)
+def step_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y: int, launcher, *,
+                padded: bool = True):
+    """``step``'s unions by the recipe ``qsa_triton.plan.rank_recipe`` picks (the sort
+    recipe's are always padded)."""
+    if rank_recipe(step, routes.shape[2], kv_length):
+        return rank_unions(routes, kv_length, step, max_grid_y, launcher, padded=padded)
+    return sorted_unions(routes, kv_length, step, max_grid_y, launcher)
 
 
-def cut_unions(unions, step: CutStep, max_grid_y: int, launcher):
-    """``step``'s sub-unions of ``unions`` = ``(union, count, rowbits)``."""
+def cut_unions(unions, step: CutStep, max_grid_y: int, launcher, *, padded: bool = True):
+    """``step``'s sub-unions of ``unions`` = ``(union, count, rowbits)``, read up to their
+    counts; ``padded`` False leaves the entries past each new count unwritten."""
     union, count, rowbits = unions
-    launch = spec.cut_launch(step, tuple(union.shape), max_grid_y, interpreted=launcher.interpreted)
+    launch = spec.cut_launch(step, tuple(union.shape), max_grid_y, interpreted=launcher.interpreted, fill=padded)
     cut = launcher(launch, {"UNION": union, "ROWBITS": rowbits, "COUNT": count})
     return cut["SUB_UNION"], cut["SUB_COUNT"], cut["SUB_ROWBITS"]

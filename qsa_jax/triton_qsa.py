@@ -35,17 +35,19 @@ __all__ = ["BlockSizes", "build_unions", "forward_with_lse", "input_maxima", "pl
 _DTYPES = ("float16", "bfloat16", "float32")
 
 
-def build_unions(routes, kv_length: int, plan: Plan, launcher=None):
+def build_unions(routes, kv_length: int, plan: Plan, launcher=None, *, padded: bool = True):
     """The forward's route unions ``(union, count, rowbits)`` of ``plan`` (int32; shapes
     ``[B, n, W]``, ``[B, n]``, ``[B, n, W]``), exactly as ``qsa_torch.triton_qsa`` builds
     them (``qsa_triton.plan.union_recipe``). ``routes``: int32 ``[B, S_q, K]`` (int64
-    with x64); IDs outside ``[0, kv_length)`` are padding."""
+    with x64); IDs outside ``[0, kv_length)`` are padding. ``padded`` False leaves the
+    entries past each count unwritten (the forward's own unions: only its kernels read
+    them); padded unions hold -1 / 0 there."""
     launcher = launcher or _triton_call.default_launcher()
     routes = jnp.asarray(routes)
     bsz, s_q, k = routes.shape
     step, cut = union_recipe(plan, s_q, k, kv_length, bsz, wide_keys=jax.config.jax_enable_x64)
-    unions = step_unions(routes, kv_length, step, plan.max_grid_y, launcher)
-    return unions if cut is None else cut_unions(unions, cut, plan.max_grid_y, launcher)
+    unions = step_unions(routes, kv_length, step, plan.max_grid_y, launcher, padded=padded and cut is None)
+    return unions if cut is None else cut_unions(unions, cut, plan.max_grid_y, launcher, padded=padded)
 
 
 def _hopper(launcher, q) -> bool:
@@ -68,7 +70,7 @@ def _forward_launch(q, k, v, union_shape, scale, plan, launcher):
 
 
 def _forward(q, k, v, routes, scale, plan, launcher):
-    unions = build_unions(routes, k.shape[1], plan, launcher)
+    unions = build_unions(routes, k.shape[1], plan, launcher, padded=False)
     launch = _forward_launch(q, k, v, tuple(unions[0].shape), scale, plan, launcher)
     union, count, rowbits = unions
     out = launcher(launch, dict(Q=q, K=k, V=v, UNION=union, COUNT=count, ROWBITS=rowbits))
@@ -95,7 +97,7 @@ def _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher, deter
     union, count, rowbits = unions
     cut = backward_cut(plan, q.shape[1], top_k, plan.rows_per_tile, union.shape[2])
     if cut is not None:
-        union, count, rowbits = cut_unions(unions, cut, plan.max_grid_y, launcher)
+        union, count, rowbits = cut_unions(unions, cut, plan.max_grid_y, launcher, padded=False)
     # MAXIMA is read by the deterministic kernels only (LSE stands in for it otherwise)
     maxima = input_maxima(q, do, v, lse) if deterministic else lse
     arrays = dict(Q=q, K=k, V=v, O=out, DO=do, LSE=lse, UNION=union, COUNT=count, ROWBITS=rowbits, MAXIMA=maxima)

@@ -1,9 +1,9 @@
 """Route unions for the Triton kernels, built through torch.
 
 The recipe is ``qsa_triton.plan.union_recipe`` (shared with ``qsa_jax``), per group of
-query rows one of two that give the same unions (``qsa_triton.plan.bitmap_recipe``
-picks): a mark kernel ORs each route's row bit into a zeroed bitmap over S_kv and a
-compact kernel scans it in ID order; or a Triton kernel writes one sort key per route
+query rows one of two that give the same unions (``qsa_triton.plan.rank_recipe``
+picks): one kernel marks each group's IDs in a bitmap of S_kv bits and places each route
+at its ID's rank among them (``qsa_triton.union_rank``); or a Triton kernel writes one sort key per route
 straight from the routes (any strides, int32 or int64), ``torch.sort`` orders them (flat
 radix sorts of many groups at once), and a second kernel turns the sorted keys into the
 union, its length and the row bits. Coarser unions are cut into finer ones by a third
@@ -19,7 +19,7 @@ import torch
 
 from qsa_triton import launch as spec
 from qsa_triton.config import MAX_ROWS_PER_TILE
-from qsa_triton.plan import (MAX_GRID_Y, CutStep, KeyPlan, Plan, SortStep, backward_cut, bitmap_recipe, tile_cut,
+from qsa_triton.plan import (MAX_GRID_Y, CutStep, KeyPlan, Plan, SortStep, backward_cut, rank_recipe, tile_cut,
                              union_recipe)
 
 from . import _triton_launch as launcher
@@ -31,9 +31,10 @@ class TileUnions:
     """Per-tile route unions: what the kernels walk.
 
     ``union`` int32 ``[B, n_tiles, W]``: the distinct valid IDs routed by the tile's
-    rows, ascending, then -1 (W = min(T * K, S_kv)). ``count`` int32 ``[B, n_tiles]``:
-    how many entries of ``union`` are valid. ``rowbits`` int32 ``[B, n_tiles, W]``:
-    bit t set iff row t of the tile routes to ``union[..., u]`` (0 past the count).
+    rows, ascending (W = min(T * K, S_kv)). ``count`` int32 ``[B, n_tiles]``: how many
+    entries of ``union`` are valid. ``rowbits`` int32 ``[B, n_tiles, W]``: bit t set iff
+    row t of the tile routes to ``union[..., u]``. Entries past the count are
+    unspecified (never written): the kernels read a union only up to its count.
     ``rows_per_tile``: T (for flat programs, the power of two bounding their rows).
     """
 
@@ -75,25 +76,25 @@ def sorted_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
     return TileUnions(merged["UNION"], merged["COUNT"], merged["ROWBITS"], step.rows)
 
 
-def bitmap_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
-                  max_grid_y: int = MAX_GRID_Y) -> TileUnions:
-    """:func:`sorted_unions` without the sort (``qsa_triton.union_bitmap``): the same
-    unions element for element, from a zeroed bitmap of row bits per group, window by
-    window in a scratch no larger than the sort's int32 keys (or one ``kv_length`` row,
-    where that is larger)."""
+def rank_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
+                max_grid_y: int = MAX_GRID_Y, *, padded: bool = True) -> TileUnions:
+    """:func:`sorted_unions` without the sort (``qsa_triton.union_rank``): the same
+    unions element for element (with ``padded`` False, up to each count only), from each
+    route's rank among its group's IDs, window by window (``qsa_triton.launch.rank_window``:
+    the kernel's scratch no larger than the sort's int32 keys). ``max_grid_y`` is unused:
+    the grid is one-dimensional."""
     bsz, _, k = routes.shape
     groups = bsz * step.n_groups
-    window = spec.bitmap_window(step, bsz, k, kv_length)
+    window = spec.rank_window(step, bsz, k, kv_length)
     operand = (tuple(routes.shape), routes.stride())
     interpreted = launcher.interpreted()
     parts = []
     for first in range(0, groups, window):
-        n_window = min(window, groups - first)
-        bits = launcher.run(spec.mark_launch(step, operand, kv_length, first, n_window, max_grid_y),
-                            {"ROUTES": routes}, routes.device)
-        parts.append(launcher.run(spec.compact_launch(step, kv_length, n_window, interpreted=interpreted), bits,
-                                  routes.device))
-        del bits
+        launch = spec.rank_launch(step, operand, kv_length, first, min(window, groups - first),
+                                  interpreted=interpreted, fill=padded)
+        ranked = launcher.run(launch, {"ROUTES": routes}, routes.device)
+        parts.append({name: ranked[name] for name in ("UNION", "ROWBITS", "COUNT")})
+        del ranked  # the scratch
     union, rowbits, count = (parts[0][name] if len(parts) == 1 else torch.cat([p[name] for p in parts])
                              for name in ("UNION", "ROWBITS", "COUNT"))
     shape = (bsz, step.n_groups, step.width)
@@ -101,15 +102,20 @@ def bitmap_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
 
 
 def step_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
-                max_grid_y: int = MAX_GRID_Y) -> TileUnions:
-    """``step``'s unions by the recipe ``qsa_triton.plan.bitmap_recipe`` picks."""
-    fn = bitmap_unions if bitmap_recipe(step, routes.shape[2], kv_length) else sorted_unions
-    return fn(routes, kv_length, step, max_grid_y)
+                max_grid_y: int = MAX_GRID_Y, *, padded: bool = True) -> TileUnions:
+    """``step``'s unions by the recipe ``qsa_triton.plan.rank_recipe`` picks (the sort
+    recipe's are always padded)."""
+    if rank_recipe(step, routes.shape[2], kv_length):
+        return rank_unions(routes, kv_length, step, max_grid_y, padded=padded)
+    return sorted_unions(routes, kv_length, step, max_grid_y)
 
 
-def cut_unions(unions: TileUnions, step: CutStep, max_grid_y: int = MAX_GRID_Y) -> TileUnions:
-    """``step``'s sub-unions of ``unions`` (no sort)."""
-    launch = spec.cut_launch(step, tuple(unions.union.shape), max_grid_y, interpreted=launcher.interpreted())
+def cut_unions(unions: TileUnions, step: CutStep, max_grid_y: int = MAX_GRID_Y, *,
+               padded: bool = True) -> TileUnions:
+    """``step``'s sub-unions of ``unions`` (no sort; ``unions`` are read up to their
+    counts)."""
+    launch = spec.cut_launch(step, tuple(unions.union.shape), max_grid_y, interpreted=launcher.interpreted(),
+                             fill=padded)
     cut = launcher.run(launch, {"UNION": unions.union, "ROWBITS": unions.rowbits, "COUNT": unions.count},
                        unions.union.device)
     return TileUnions(cut["SUB_UNION"], cut["SUB_COUNT"], cut["SUB_ROWBITS"], step.rows_per_tile)
@@ -132,16 +138,18 @@ def build_tile_unions(routes: torch.Tensor, kv_length: int, rows_per_tile: int) 
     return sorted_unions(routes, kv_length, step)
 
 
-def build_unions(routes: torch.Tensor, kv_length: int, plan: Plan) -> TileUnions:
+def build_unions(routes: torch.Tensor, kv_length: int, plan: Plan, *, padded: bool = True) -> TileUnions:
     """The forward's unions of ``plan`` (``qsa_triton.plan.union_recipe``): tile unions
     for padded plans; for flat plans (``BlockSizes.flatten_heads``), per program, the
     union of the routes of the query rows its (row, head) pairs touch, bit t of
-    ``rowbits`` being the program's t-th query row."""
+    ``rowbits`` being the program's t-th query row. ``padded`` False: the entries past
+    each count are left unwritten (unions only the kernels read; a caller who receives
+    unions gets them padded, every element determined)."""
     check_union_arguments(routes, kv_length, plan.rows_per_tile)
     bsz, s_q, k = routes.shape
     step, cut = union_recipe(plan, s_q, k, kv_length, bsz)
-    unions = step_unions(routes, kv_length, step, plan.max_grid_y)
-    return unions if cut is None else cut_unions(unions, cut, plan.max_grid_y)
+    unions = step_unions(routes, kv_length, step, plan.max_grid_y, padded=padded and cut is None)
+    return unions if cut is None else cut_unions(unions, cut, plan.max_grid_y, padded=padded)
 
 
 def build_flat_unions(routes: torch.Tensor, kv_length: int, plan: Plan) -> TileUnions:
@@ -155,7 +163,7 @@ def backward_unions(unions: TileUnions, plan: Plan, top_k: int, query_length: in
     """The backward's unions: the forward's, or cut into the backward's shorter tiles
     (``top_k``: K of the routes they came from)."""
     cut = backward_cut(plan, query_length, top_k, unions.rows_per_tile, unions.union.shape[2])
-    return unions if cut is None else cut_unions(unions, cut, plan.max_grid_y)
+    return unions if cut is None else cut_unions(unions, cut, plan.max_grid_y, padded=False)
 
 
 def split_tile_unions(unions: TileUnions, rows_per_tile: int, top_k: int, query_length: int) -> TileUnions:

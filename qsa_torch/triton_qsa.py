@@ -35,7 +35,7 @@ import torch
 
 from qsa_triton.config import DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, BlockSizes
 from qsa_triton.config import default_block_sizes as _table
-from qsa_triton.plan import Plan, default_plan, make_plan
+from qsa_triton.plan import Plan, default_plan, flat_span, make_plan
 
 from . import _triton_launch
 from ._triton_autograd import TritonQSA
@@ -136,7 +136,7 @@ def triton_sparse_gqa_attention(
     """
     checked, plan = _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes)
     _check_deterministic(deterministic)
-    unions = build_unions(selected_token_ids, checked.dims.kv_length, plan)
+    unions = build_unions(selected_token_ids, checked.dims.kv_length, plan, padded=False)
     return TritonQSA.apply(query, key, value, unions.union, unions.count, unions.rowbits, checked.scale, plan,
                            selected_token_ids.shape[2], deterministic)
 
@@ -174,11 +174,11 @@ def _union_shapes(plan: Plan, bsz, s_q, top_k: int, kv_length):
     """The unions' shapes as :func:`qsa_triton.plan.union_recipe` builds them, in arithmetic
     that stays symbolic under torch.compile (ceil-division and ``torch.sym_min`` only: the
     sort-key plan's bit lengths would pin S_q, S_kv and B to one value, so every new shape
-    would compile again). Unions are ``T * K`` IDs wide at most, and never wider than S_kv
-    (a cut keeps the parent's width bound)."""
+    would compile again). Unions are ``T * K`` IDs wide at most (a flat program's, the
+    rows it touches times K), and never wider than S_kv."""
     if plan.flat:
         n_tiles = -(-s_q * plan.group // plan.fwd_heads)
-        rows = plan.rows_per_tile  # the span of a program (a cut from taller tiles keeps it)
+        rows = flat_span(plan.fwd_heads, plan.group)  # the most rows a program touches
     else:
         n_tiles, rows = -(-s_q // plan.rows_per_tile), plan.rows_per_tile
     width = torch.sym_min(rows * top_k, kv_length)

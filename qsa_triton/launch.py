@@ -24,20 +24,26 @@ from fractions import Fraction
 
 import numpy as np
 
-from .plan import INT32_MAX, CutStep, Plan, SortStep, fold_grid, min_backward_block_k, offsets_fit_int32
+from .plan import (INT32_MAX, MAX_GRID_X, CutStep, Plan, SortStep, fold_grid, min_backward_block_k,
+                   offsets_fit_int32, rank_words)
 
-__all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES",
+__all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES", "RANK_WARPS",
+           "RANK_SCRATCH_BYTES",
            "LOG2E", "FIXED_POINT_BLOCK", "fp32", "contiguous_strides", "attempts", "forward_launch",
            "backward_launch", "forward_sm90_launch", "SM90_FORWARD_SHARED", "backward_sm90_launch",
            "SM90_BACKWARD_SHARED",
-           "fixed_point_bounds", "fixed_point_launch", "keys_launch", "merge_launch", "bitmap_window", "mark_launch",
-           "compact_launch", "cut_launch", "kernel", "compile_signature", "interpreted", "interprets"]
+           "fixed_point_bounds", "fixed_point_launch", "keys_launch", "merge_launch", "rank_window", "rank_launch",
+           "cut_launch", "kernel", "compile_signature", "interpreted", "interprets"]
 
 LOG2E = 1.4426950408889634
 UNION_BLOCK = 1024  # keys (IDs) per step of the union kernels
 # the union kernels' launch options: Triton's defaults on CUDA, stated once for both launchers
 UNION_WARPS, UNION_STAGES = 4, 3
 FIXED_POINT_BLOCK = 1024  # elements per program of the fixed-point conversion
+# the rank kernel runs one program per group through four dependent passes: 8 warps keep more
+# of each pass's memory operations in flight (docs/benchmarks.md, eleventh session)
+RANK_WARPS = 8
+RANK_SCRATCH_BYTES = 40  # the rank kernel's scratch per word of 32 IDs: 32 mark bytes, PRESENT, PREFIX
 
 Operand = tuple[tuple[int, ...], tuple[int, ...]]  # (shape, per-element strides)
 
@@ -379,44 +385,40 @@ def merge_launch(step: SortStep, batch: int, k: int, *, interpreted: bool) -> La
         UNION_WARPS, UNION_STAGES)
 
 
-def bitmap_window(step: SortStep, batch: int, k: int, kv_length: int) -> int:
-    """Groups per bitmap window (``union_bitmap.py``): as many as keep the int32 scratch
-    ``[window, kv_length]`` within the bytes the sort recipe's int32 keys of all groups
-    would take (``4 * groups * rows * K``), at least one."""
+def rank_window(step: SortStep, batch: int, k: int, kv_length: int) -> int:
+    """Groups per launch of the rank kernel (``union_rank.py``): as many as keep its scratch
+    (``RANK_SCRATCH_BYTES`` per word of 32 IDs per group) within the bytes the sort
+    recipe's int32 keys of all groups would take (``4 * groups * rows * K``), at least one."""
     groups = batch * step.n_groups
-    return max(1, min(groups, (groups * step.rows * k) // kv_length))
+    return max(1, min(groups, (4 * groups * step.rows * k) // (RANK_SCRATCH_BYTES * rank_words(kv_length))))
 
 
-def mark_launch(step: SortStep, routes: Operand, kv_length: int, first_group: int, n_window: int,
-                max_grid_y: int) -> Launch:
-    """Bitmap marks of groups ``[first_group, first_group + n_window)`` (group = batch row *
-    n_groups + group): BITS int32 ``[n_window, kv_length]`` (zeroed output)."""
+def rank_launch(step: SortStep, routes: Operand, kv_length: int, first_group: int, n_window: int, *,
+                interpreted: bool, fill: bool) -> Launch:
+    """Unions of groups ``[first_group, first_group + n_window)`` (group = batch row *
+    n_groups + group) by ID ranks (``union_rank.py``): UNION / ROWBITS int32
+    ``[n_window, width]`` written up to COUNT int32 ``[n_window]`` and, with ``fill``,
+    in full (-1 / 0 past the count); PRESENT / PREFIX / MARKS are scratch."""
     (bsz, s_q, k), strides = routes
-    n_chunks = -(-step.rows * k // UNION_BLOCK)
-    grid, fold = fold_grid(n_window, n_chunks, max_grid_y)
+    words = rank_words(kv_length)
+    if n_window > MAX_GRID_X:
+        raise ValueError(f"{n_window} union groups do not fit a CUDA launch grid")
+    shape = (n_window, step.width)
+    outputs = (Output("UNION", shape, "int32"), Output("ROWBITS", shape, "int32"),
+               Output("COUNT", (n_window,), "int32"), Output("PRESENT", (n_window, words), "int32"), Output("PREFIX", (n_window, words), "int32"),
+               Output("MARKS", (n_window, 8 * words), "int32"))
     params = _strides("sr_", strides, ("b", "s", "k")) + [
         ("s_q", s_q), ("k", k), ("kv_length", kv_length), ("n_tiles", step.n_groups), ("first_group", first_group),
-        ("n_window", n_window), ("n_chunks", n_chunks), ("group_size", step.group),
-        ("T", step.rows), ("BLOCK", UNION_BLOCK), ("PAIRS", step.pairs), ("FOLD", fold)]
-    return Launch("union_mark", grid, ("ROUTES",), (), (Output("BITS", (n_window, kv_length), "int32", zeroed=True),),
-                  tuple(params), UNION_WARPS, UNION_STAGES)
-
-
-def compact_launch(step: SortStep, kv_length: int, n_window: int, *, interpreted: bool) -> Launch:
-    """Unions of a window's groups from the mark kernel's BITS: UNION / ROWBITS int32
-    ``[n_window, width]`` and COUNT int32 ``[n_window]``, written in full."""
-    outputs = (Output("UNION", (n_window, step.width), "int32"), Output("ROWBITS", (n_window, step.width), "int32"),
-               Output("COUNT", (n_window,), "int32"))
-    return Launch("union_compact", (n_window,), ("BITS",), (), outputs,
-                  (("kv_length", kv_length), ("width", step.width), ("BLOCK", UNION_BLOCK),
-                   ("INTERPRET", interpreted)),
-                  UNION_WARPS, UNION_STAGES)
+        ("width", step.width), ("words", words), ("group_size", step.group), ("T", step.rows),
+        ("BLOCK", UNION_BLOCK), ("PAIRS", step.pairs), ("INTERPRET", interpreted), ("FILL", fill)]
+    return Launch("union_rank", (n_window,), ("ROUTES",), (), outputs, tuple(params), RANK_WARPS, UNION_STAGES)
 
 
 def cut_launch(step: CutStep, parent_shape: tuple[int, int, int], max_grid_y: int, *,
-               interpreted: bool) -> Launch:
-    """Sub-unions of parents ``[B, n_tiles, width]``: SUB_UNION / SUB_ROWBITS int32
-    ``[B, n_sub, width]``, SUB_COUNT ``[B, n_sub]``, all written in full."""
+               interpreted: bool, fill: bool) -> Launch:
+    """Sub-unions of parents ``[B, n_tiles, width]`` (read up to their counts): SUB_UNION /
+    SUB_ROWBITS int32 ``[B, n_sub, width]`` written up to SUB_COUNT ``[B, n_sub]`` and, with
+    ``fill``, in full (-1 / 0 past the count)."""
     bsz, n_tiles, width = parent_shape
     grid, fold = fold_grid(step.n_sub, bsz, max_grid_y)
     shape = (bsz, step.n_sub, step.width)
@@ -426,7 +428,7 @@ def cut_launch(step: CutStep, parent_shape: tuple[int, int, int], max_grid_y: in
          Output("SUB_COUNT", shape[:2], "int32")),
         (("B", bsz), ("n_tiles", n_tiles), ("width", width), ("n_sub", step.n_sub), ("sub_width", step.width),
          ("group", step.group), ("SUB_T", step.sub_rows), ("PARTS", step.parts), ("PAIRS", step.pairs),
-         ("BLOCK", UNION_BLOCK), ("INTERPRET", interpreted), ("FOLD", fold)),
+         ("BLOCK", UNION_BLOCK), ("INTERPRET", interpreted), ("FOLD", fold), ("FILL", fill)),
         UNION_WARPS, UNION_STAGES)
 
 
@@ -437,8 +439,7 @@ _MODULES = {"forward": ("forward", "qsa_forward_kernel"), "forward_sm90": ("forw
             "fixed_point": ("fixed_point", "fixed_point_kernel"),
             "union_keys": ("union_keys", "union_keys_kernel"), "union_merge": ("union_merge", "union_merge_kernel"),
             "union_cut": ("union_cut", "union_cut_kernel"),
-            "union_mark": ("union_bitmap", "union_mark_kernel"),
-            "union_compact": ("union_bitmap", "union_compact_kernel")}
+            "union_rank": ("union_rank", "union_rank_kernel")}
 
 
 def kernel(name: str):

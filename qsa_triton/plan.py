@@ -17,7 +17,8 @@ from .config import MAX_ROWS_PER_TILE, BlockSizes
 
 __all__ = ["MAX_GRID_Y", "MAX_GRID_X", "INT32_MAX", "Plan", "make_plan", "default_plan", "next_pow2", "flat_span",
            "flat_pairs", "flat_union_rows", "program_rows", "KeyPlan", "SortStep", "CutStep", "union_recipe",
-           "BITMAP_SCAN_PER_KEY", "bitmap_recipe", "tile_cut", "backward_cut", "fold_grid", "offsets_fit_int32"]
+           "rank_words", "RANK_IDS_PER_KEY", "rank_recipe", "tile_cut", "backward_cut", "fold_grid",
+           "offsets_fit_int32"]
 
 MAX_GRID_Y = 65535  # CUDA's limit on grid dimensions y and z
 MAX_GRID_X = 2**31 - 1
@@ -241,7 +242,9 @@ def union_recipe(plan: Plan, s_q: int, k: int, kv_length: int, batch: int = 1, *
     Padded plans sort tiles of T rows. Flat plans sort tiles of T_u rows and cut them
     into programs where such tiles hold whole programs (:func:`flat_union_rows`; every
     route is then sorted once), else sort each program's span of rows (span * G / pairs
-    times the keys). ``batch`` sizes the sort keys (groups of all batch rows share sorts).
+    times the keys); a program's union is ``min(flat_span * K, S_kv)`` wide, the most IDs
+    the rows it touches can route to. ``batch`` sizes the sort keys (groups of all batch
+    rows share sorts).
     """
     def sort(rows, n_groups, **kw):
         keys = KeyPlan.make(batch * n_groups, rows, k, kv_length, wide_keys=wide_keys)
@@ -250,24 +253,29 @@ def union_recipe(plan: Plan, s_q: int, k: int, kv_length: int, batch: int = 1, *
     if not plan.flat:
         return sort(plan.rows_per_tile, -(-s_q // plan.rows_per_tile)), None
     pairs, span = plan.fwd_heads, plan.rows_per_tile
-    tile_rows = flat_union_rows(plan.group, pairs, span)  # tall enough: cut widths = sorted widths
+    width = min(flat_span(pairs, plan.group) * k, kv_length)
+    tile_rows = flat_union_rows(plan.group, pairs, span)  # tall enough: every program within one tile
     if tile_rows is None:
-        return sort(span, plan.n_tiles(s_q), pairs=pairs, group=plan.group), None
+        return dataclasses.replace(sort(span, plan.n_tiles(s_q), pairs=pairs, group=plan.group), width=width), None
     tiles = sort(tile_rows, -(-s_q // tile_rows))
-    return tiles, CutStep(tile_rows * plan.group // pairs, 1, pairs, plan.group, plan.n_tiles(s_q),
-                          min(span * k, tiles.width), span)
+    return tiles, CutStep(tile_rows * plan.group // pairs, 1, pairs, plan.group, plan.n_tiles(s_q), width, span)
 
 
-# The bitmap recipe scans S_kv words per group where the sort orders rows * K keys; it is
-# used while S_kv is at most this many times rows * K (the measured crossover,
-# docs/benchmarks.md "Route unions without a sort").
-BITMAP_SCAN_PER_KEY = 8
+def rank_words(kv_length: int) -> int:
+    """Words of 32 IDs in one group's ID marks (``union_rank.py``)."""
+    return -(-kv_length // 32)
 
 
-def bitmap_recipe(step: SortStep, k: int, kv_length: int) -> bool:
-    """Whether ``step``'s unions are built by the bitmap recipe (``union_bitmap.py``)
-    rather than by sorting keys; both give the same unions element for element."""
-    return kv_length <= BITMAP_SCAN_PER_KEY * step.rows * k
+# The rank recipe passes over S_kv bytes per group where the sort orders rows * K keys; it is
+# used while S_kv is at most this many times rows * K (docs/benchmarks.md "Eleventh session":
+# the rank recipe was the faster of the two at every ratio measured, up to this one).
+RANK_IDS_PER_KEY = 32
+
+
+def rank_recipe(step: SortStep, k: int, kv_length: int) -> bool:
+    """Whether ``step``'s unions are built by the rank recipe (``union_rank.py``) rather
+    than by sorting keys; both give the same unions element for element up to each count."""
+    return kv_length <= RANK_IDS_PER_KEY * step.rows * k
 
 
 def tile_cut(parent_rows: int, parent_width: int, rows: int, top_k: int, s_q: int) -> CutStep | None:

@@ -36,14 +36,15 @@ def union_cut_kernel(
     SUB_UNION, SUB_ROWBITS, SUB_COUNT,
     B, n_tiles, width, n_sub, sub_width, group,
     SUB_T: tl.constexpr, PARTS: tl.constexpr, PAIRS: tl.constexpr, BLOCK: tl.constexpr,
-    INTERPRET: tl.constexpr, FOLD: tl.constexpr,
+    INTERPRET: tl.constexpr, FOLD: tl.constexpr, FILL: tl.constexpr,
 ):
     """Program (sub-union, batch row). Sub-union s is part ``s % PARTS`` of parent tile
     ``s // PARTS``; its window is rows ``[part * SUB_T, (part + 1) * SUB_T)``
     (``PAIRS`` = 0) or, for flat programs of PAIRS (row, head) pairs over ``group``
     heads, the rows those pairs touch. Parents are int32 [B, n_tiles, width] (COUNT
-    [B, n_tiles]); writes every entry of SUB_UNION / SUB_ROWBITS [B, n_sub, sub_width]
-    (-1 / 0 past the count) and SUB_COUNT [B, n_sub]. Grid: ``fold_grid(n_sub, B)``."""
+    [B, n_tiles]), read up to their counts; writes SUB_UNION / SUB_ROWBITS [B, n_sub,
+    sub_width] up to the sub-union's count and, with FILL, every entry past it (-1 / 0),
+    and SUB_COUNT [B, n_sub]. Grid: ``fold_grid(n_sub, B)``."""
     sub, b32, live = program_xy(n_sub, B, FOLD)
     b = b32.to(tl.int64)
     parent = b * n_tiles + sub // PARTS
@@ -70,9 +71,10 @@ def union_cut_kernel(
         for start in range(0, count, BLOCK):
             carry = _cut_step(start, count, UNION + parent * width, ROWBITS + parent * width,
                               SUB_UNION + out, SUB_ROWBITS + out, sub_width, shift, mask, carry, BLOCK)
-    filled = tl.minimum(carry, sub_width)
-    fill(SUB_UNION + out, filled, end, -1, BLOCK, INTERPRET)
-    fill(SUB_ROWBITS + out, filled, end, 0, BLOCK, INTERPRET)
+    if FILL:
+        filled = tl.minimum(carry, sub_width)
+        fill(SUB_UNION + out, filled, end, -1, BLOCK, INTERPRET)
+        fill(SUB_ROWBITS + out, filled, end, 0, BLOCK, INTERPRET)
     count_ptr = SUB_COUNT + b * n_sub + sub + tl.arange(0, 1)
     if FOLD > 1:
         first = tl.where(live, tl.arange(0, 1) == 0, False)

@@ -38,7 +38,7 @@ from qsa_common.oracle import oracle_forward_backward, relative_error  # noqa: E
 from qsa_jax import triton_qsa as jt  # noqa: E402
 from qsa_triton import launch as spec  # noqa: E402
 from qsa_triton.config import SAFE_BLOCK_SIZES, BlockSizes  # noqa: E402
-from qsa_triton.plan import make_plan  # noqa: E402
+from qsa_triton.plan import flat_span, make_plan  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int32": torch.int32,
@@ -268,11 +268,11 @@ def test_deterministic_dispatch(monkeypatch):
         sparse_gqa_attention(x, x, x, routes, implementation="xla", deterministic=True)
 
 
-@pytest.mark.parametrize("recipe", ["bitmap", "sorted"])
+@pytest.mark.parametrize("recipe", ["rank", "sorted"])
 @pytest.mark.parametrize("group, pairs", [(12, 32), (3, 64), (1, 0), (3, 0)])
 def test_unions_equal_torch_and_the_oracle(monkeypatch, group, pairs, recipe):
     """JAX-built unions (padded tiles, flat programs cut from tiles, flat programs
-    built per program), by either recipe (``qsa_triton.plan.bitmap_recipe``'s limit
+    built per program), by either recipe (``qsa_triton.plan.rank_recipe``'s limit
     moved to force it), equal the oracle's, and torch's, element for element, on
     adversarial and random int64 routes (huge IDs included)."""
     from qsa_torch import _triton_unions
@@ -285,10 +285,10 @@ def test_unions_equal_torch_and_the_oracle(monkeypatch, group, pairs, recipe):
     routes[1, 5, 2] = 2**40 + 3  # huge int64: padding
     blocks = BlockSizes(block_m=pairs or 16, flatten_heads=pairs > 0)
     plan = make_plan(group, 16, blocks)
-    monkeypatch.setattr(plan_module, "BITMAP_SCAN_PER_KEY", 10**9 if recipe == "bitmap" else 0)
+    monkeypatch.setattr(plan_module, "RANK_IDS_PER_KEY", 10**9 if recipe == "rank" else 0)
     step, _ = plan_module.union_recipe(plan, s_q, width, kv_length, 2)
-    assert plan_module.bitmap_recipe(step, width, kv_length) == (recipe == "bitmap")
-    want = (flat_unions(routes, kv_length, group, pairs, plan.rows_per_tile) if plan.flat
+    assert plan_module.rank_recipe(step, width, kv_length) == (recipe == "rank")
+    want = (flat_unions(routes, kv_length, group, pairs, flat_span(pairs, group)) if plan.flat
             else tile_unions(routes, kv_length, plan.rows_per_tile))
     from qsa_jax.routes import prepare_routes
 
@@ -365,8 +365,8 @@ def test_host_side_launch_description():
     plan = make_plan(12, 256, jt.BlockSizes(num_stages=3, backward_block_k=64, flatten_heads=True))
     jax.eval_shape(lambda a, b, c, r: jt._forward(a, b, c, r, 0.0625, plan, Recorder()), q, kv, kv, routes)
     kernels = [launch.kernel for launch, _ in calls]
-    # 64 IDs against 32-row groups of 20 routes: the bitmap recipe (qsa_triton.plan.bitmap_recipe)
-    assert kernels == ["union_mark", "union_compact", "union_cut", "forward"]
+    # 64 IDs against 32-row groups of 20 routes: the rank recipe (qsa_triton.plan.rank_recipe)
+    assert kernels == ["union_rank", "union_cut", "forward"]
     forward, arrays = calls[-1]
     assert forward.inputs == ("Q", "K", "V", "UNION", "COUNT", "ROWBITS") and set(arrays) == set(forward.inputs)
     assert [(o.name, o.shape, o.dtype) for o in forward.outputs] == [

@@ -40,7 +40,8 @@ from qsa_torch.triton_qsa import (  # noqa: E402
     triton_sparse_gqa_attention,
 )
 from qsa_triton import launch as spec  # noqa: E402
-from qsa_triton.plan import KeyPlan, SortStep, flat_union_rows, fold_grid, make_plan, offsets_fit_int32  # noqa: E402
+from qsa_triton.plan import (KeyPlan, SortStep, flat_span, flat_union_rows, fold_grid, make_plan,  # noqa: E402
+                             offsets_fit_int32)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -216,14 +217,16 @@ def test_atomic_chunk_adds_are_exact_in_interpreter():
     np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-6, atol=1e-6)
 
 
+def _poisoned(shape, dtype, device):
+    fill = float("nan") if dtype.is_floating_point else -123456789
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
 def test_poisoned_outputs_are_fully_overwritten(monkeypatch):
     """Every buffer a kernel writes (out, LSE, dq, sort keys, unions, counts, row bits of
-    cut unions) starts poisoned (NaN, or a huge int): every element must be written."""
-    def poisoned(shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else -123456789
-        return torch.full(shape, fill, dtype=dtype, device=device)
-
-    monkeypatch.setattr(_triton_launch, "new_buffer", poisoned)
+    cut unions) starts poisoned (NaN, or a huge int): every element must be written (the
+    attention call's own unions up to each count, which is all its kernels read)."""
+    monkeypatch.setattr(_triton_launch, "new_buffer", _poisoned)
     rng = _fresh_rng()
     # 37 rows: the last 8-row tile is partial; (6, 2) pads 3 heads to 4; the backward's
     # tiles of 4 rows are cut from the forward's
@@ -537,7 +540,7 @@ def test_flat_unions_cut_from_tiles_equal_unions_sorted_per_program(group, pairs
     raw = torch.from_numpy(routes).to(DEVICE)
     plan = make_plan(group, 16, BlockSizes(block_m=pairs, flatten_heads=True))
     assert plan.flat and plan.fwd_heads == pairs
-    want = flat_unions(routes, kv_length, group, pairs, plan.rows_per_tile)
+    want = flat_unions(routes, kv_length, group, pairs, flat_span(pairs, group))
     _, cut = _recipe(plan, routes, kv_length)
     assert cut is not None  # the default recipe cuts tile unions
     assert_unions_equal(_numpy(_triton_unions.build_unions(raw, kv_length, plan)), want, "cut")
@@ -729,9 +732,8 @@ def test_launches_name_every_kernel_argument():
         spec.fixed_point_launch(kv[0], "bfloat16", 0.0625, 40 * 12, interpreted=False),
         spec.keys_launch(step, routes, 40, 65535),
         spec.merge_launch(step, 2, 20, interpreted=False),
-        spec.cut_launch(cut, (2, step.n_groups, step.width), 65535, interpreted=False),
-        spec.mark_launch(step, routes, 40, 1, 2, 65535),
-        spec.compact_launch(step, 40, 2, interpreted=False),
+        spec.cut_launch(cut, (2, step.n_groups, step.width), 65535, interpreted=False, fill=True),
+        spec.rank_launch(step, routes, 40, 1, 2, interpreted=False, fill=True),
     ]
     for launch in launches:
         assert launch.arg_names() == tuple(spec.kernel(launch.kernel).arg_names), launch.kernel
@@ -777,40 +779,50 @@ def test_last_chunk_columns_past_the_union_add_nothing(deterministic):
         assert err < TOLERANCE["float32"], f"{name}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("window", [None, 1, 3])
 @pytest.mark.parametrize("rows, pairs, group", [(32, 0, 1), (4, 0, 1), (4, 32, 12)])
-def test_bitmap_unions_equal_sorted_unions(monkeypatch, window, rows, pairs, group):
-    """qsa_triton.union_bitmap: the unions of the keys / sort / merge recipe, element for
-    element (-1 / 0 padding included), from raw int64 routes with padding, out-of-range and
-    repeated IDs, two batch rows, tiles (row 31's bit used) or flat programs (PAIRS), in one
-    window or several (each window's unions land at its own groups)."""
+def test_rank_unions_equal_sorted_unions(monkeypatch, window, rows, pairs, group, padded):
+    """qsa_triton.union_rank: the unions of the keys / sort / merge recipe, element for
+    element (unpadded: up to each count), from raw int64 routes with padding, out-of-range
+    and repeated IDs, two batch rows, tiles (row 31's bit used) or flat programs (PAIRS),
+    with every output and scratch buffer poisoned (the kernel zeroes its own marks), at
+    an S_kv that is no multiple of 32 (a partial last word of IDs) and over more than one
+    step of words per group, in one window of groups or several (each window's unions
+    land at its own groups)."""
     from qsa_triton import launch as launch_spec
+    from qsa_triton.launch import UNION_BLOCK
 
     if window is not None:
-        monkeypatch.setattr(launch_spec, "bitmap_window", lambda *a: window)
+        monkeypatch.setattr(launch_spec, "rank_window", lambda *a: window)
+    monkeypatch.setattr(_triton_launch, "new_buffer", _poisoned)
     rng = _fresh_rng()
-    kv_length, width, s_q = 70, 9, 45
+    kv_length, width, s_q = 4 * UNION_BLOCK + 45, 9, 45
+    assert -(-kv_length // 32) > UNION_BLOCK // 8  # words per step of the kernel's word pass
     routes = np.concatenate([adversarial_routes(kv_length, width=width, rng=rng)[None, :s_q],
                              random_routes(kv_length, width=width, rng=rng, causal=False)[None, :s_q]])
     routes[0, 3, :4] = routes[0, 3, 4:8]  # repeated IDs within a row
     routes[1, 7, 2] = 2**40  # past kv_length: padding, must not wrap
+    routes[1, 9, :3] = [kv_length - 1, 31, 32]  # the last word's last ID, a word's top bit, the next word
     raw = torch.from_numpy(routes).to(DEVICE)
     n_groups = -(-s_q // rows) if not pairs else -(-s_q * group // pairs)
     step = SortStep(rows, n_groups, min(rows * width, kv_length), KeyPlan.make(2 * n_groups, rows, width, kv_length),
                     pairs, group)
-    got = _numpy(_triton_unions.bitmap_unions(raw, kv_length, step))
-    assert_unions_equal(got, _numpy(_triton_unions.sorted_unions(raw, kv_length, step)))
+    got = _numpy(_triton_unions.rank_unions(raw, kv_length, step, padded=padded))
+    assert_unions_equal(got, _numpy(_triton_unions.sorted_unions(raw, kv_length, step)), up_to_count=not padded)
     want = tile_unions(routes, kv_length, rows) if not pairs else flat_unions(routes, kv_length, group, pairs, rows)
-    assert_unions_equal(got, want)
+    assert_unions_equal(got, want, up_to_count=not padded)
     if rows == 32:
         assert (want[2] < 0).any(), "row 31's bit (int32's sign) should be set somewhere"
 
 
-def test_bitmap_unions_over_a_folded_mark_grid():
-    """The mark kernel's grid folded (``max_grid_y`` 1 against two chunks of routes per
-    group: its dead programs masked off) gives the sorted recipe's unions."""
+def test_rank_unions_over_many_route_steps(monkeypatch):
+    """Groups of 32 rows x K = 40 routes (more than one step of UNION_BLOCK routes per
+    pass) with IDs shared between rows (every rank placed by several routes), poisoned
+    buffers: the sorted recipe's unions and the oracle's."""
     from qsa_triton.launch import UNION_BLOCK
 
+    monkeypatch.setattr(_triton_launch, "new_buffer", _poisoned)
     rng = _fresh_rng()
     kv_length, width, s_q, rows = 200, 40, 70, 32
     assert rows * width > UNION_BLOCK
@@ -819,5 +831,21 @@ def test_bitmap_unions_over_a_folded_mark_grid():
     n_groups = -(-s_q // rows)
     step = SortStep(rows, n_groups, min(rows * width, kv_length), KeyPlan.make(n_groups, rows, width, kv_length))
     want = _numpy(_triton_unions.sorted_unions(raw, kv_length, step))
-    assert_unions_equal(_numpy(_triton_unions.bitmap_unions(raw, kv_length, step, max_grid_y=1)), want, "folded")
+    assert_unions_equal(_numpy(_triton_unions.rank_unions(raw, kv_length, step)), want, "rank")
     assert_unions_equal(want, tile_unions(routes, kv_length, rows))
+
+
+def test_unpadded_flat_unions_from_poisoned_buffers(monkeypatch):
+    """build_unions(padded=False), as the attention call builds them for its kernels alone:
+    tile unions cut into flat programs, every buffer poisoned, neither the tiles' nor the
+    programs' entries past their counts written; up to the counts, the oracle's unions."""
+    monkeypatch.setattr(_triton_launch, "new_buffer", _poisoned)
+    rng = _fresh_rng()
+    s_q, kv_length, group, pairs = 40, 60, 12, 32
+    routes = _flat_routes(rng, s_q, kv_length)
+    plan = make_plan(group, 16, BlockSizes(block_m=pairs, flatten_heads=True))
+    step, cut = _recipe(plan, routes, kv_length)
+    assert cut is not None, "the tile-then-cut recipe"
+    got = _numpy(_triton_unions.build_unions(torch.from_numpy(routes).to(DEVICE), kv_length, plan, padded=False))
+    assert_unions_equal(got, flat_unions(routes, kv_length, group, pairs, flat_span(pairs, group)), up_to_count=True)
+    assert (got[0] == -123456789).any(), "entries past the counts were written"

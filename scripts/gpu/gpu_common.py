@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from qsa_common.oracle import relative_error as _numpy_relative_error  # noqa: E402
 
 __all__ = ["ROOT", "ProbeShape", "Record", "cuda_ms", "jax_ms", "log", "max_abs_diff", "probe_shape",
-           "relative_error", "run_step", "wall_ms"]
+           "relative_error", "run_step", "step_result", "timing_steps", "wall_ms"]
 
 
 def log(*args) -> None:
@@ -189,6 +189,25 @@ def run_step(script: str, args, timeout_s: float, tree: str | None = None) -> di
         if line.startswith("RESULT "):
             return json.loads(line[7:])
     return {"error": f"rc={done.returncode}", "stderr": done.stderr[-2000:]}
+
+
+def timing_steps(record, script: str, name: str, seq_lens, overlaps, timeout_s: float,
+                 against: str | None = None) -> None:
+    """Per S and overlap, ``script --step time --seq S --overlap J`` in a process of its own
+    (:func:`run_step`) into ``record`` (section ``S=../J=..``, entry ``name``), and with
+    ``against`` the same step of that checkout's script right after (``name/against``)."""
+    for seq in seq_lens:
+        for overlap in overlaps:
+            key, step = f"S={seq}/J={overlap}", ("--step", "time", "--seq", str(seq), "--overlap", str(overlap))
+            record.run(key, name, lambda: run_step(script, step, timeout_s))
+            if against:
+                record.run(key, f"{name}/against", lambda: run_step(script, step, timeout_s, against))
+
+
+def step_result(value) -> int:
+    """A timing step's result, printed for :func:`run_step` (returns the exit status 0)."""
+    print("RESULT " + json.dumps(value), flush=True)
+    return 0
 
 
 class Record:

@@ -17,13 +17,12 @@ under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_common import Record, log, run_step  # noqa: E402
+from gpu_common import Record, log, step_result, timing_steps  # noqa: E402
 
 
 def _both(q, k, v, routes, scale, group):
@@ -82,8 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--overlap", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.step:
-        print("RESULT " + json.dumps(_timing(args.seq, args.overlap)), flush=True)
-        return 0
+        return step_result(_timing(args.seq, args.overlap))
     if not args.out:
         parser.error("--out is required")
 
@@ -136,13 +134,8 @@ def main(argv=None) -> int:
         record.run("correctness", name, lambda: check(heads, dtype, kind, seed))
 
     torch.cuda.empty_cache()
-    for seq in args.seq_lens:
-        for overlap in args.overlaps:
-            key, step = f"S={seq}/J={overlap}", ("--step", "time", "--seq", str(seq), "--overlap", str(overlap))
-            record.run(key, "forward_kernels", lambda: run_step(os.path.abspath(__file__), step, args.timeout_s))
-            if args.against:
-                record.run(key, "forward_kernels/against",
-                           lambda: run_step(os.path.abspath(__file__), step, args.timeout_s, args.against))
+    timing_steps(record, os.path.abspath(__file__), "forward_kernels", args.seq_lens, args.overlaps, args.timeout_s,
+                 args.against)
     log("done")
     return 0
 

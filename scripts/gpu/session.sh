@@ -21,7 +21,7 @@
 #   the Hopper forward against forward.py (carry .whl):    bash scripts/gpu/session.sh sm90fwd
 #   the Hopper backward against backward.py (carry .whl):  bash scripts/gpu/session.sh sm90bwd
 #   both Hopper kernels against forward.py / backward.py (carry .whl): bash scripts/gpu/session.sh sm90next, then sm90check
-#   a backward change's whole check and timing in one call (carry .whl): bash scripts/gpu/session.sh adopt
+#   a kernel change's whole check and timing in one call (carry .whl): bash scripts/gpu/session.sh adopt
 #   this tree's Hopper kernels beside another commit's (git worktree add --detach .base REF; carry .base .whl):
 #                                                          bash scripts/gpu/session.sh sm90ab
 #
@@ -167,9 +167,10 @@ complete)
   wait
   ;;
 adopt)
-  # a backward change in one call: complete's checks side by side (the parity matrix of both
-  # frameworks, the backward's GPU tests, memcheck), then alone the side-by-side timing at
-  # S=8192 / 32768 (J 0.3, 0.8) / 131072 and the deterministic backward's probe
+  # a kernel change in one call: complete's checks side by side (the parity matrix of both
+  # frameworks, the kernels' GPU tests, memcheck), then alone the side-by-side timing at
+  # S=8192 / 32768 (J 0.3, 0.8) / 131072, the deterministic backward's probe and the union
+  # recipes against each other up to the rank recipe's limit (S_kv = 32 * rows * K) and past it
   beside parity 300 python3 scripts/gpu/run_parity_and_bench.py --out "$R/parity" --skip-bench --skip-api \
     --budget 270 --parity-args "--backends triton,jax-triton"
   beside gpu_tests 330 python3 -m pytest -q -p no:cacheprovider tests/test_backward_sm90.py \
@@ -179,6 +180,8 @@ adopt)
   alone bench 150 python3 -m parity.bench --heads 24:2 --seq-lens 8192,131072 --overlaps 0.8 \
     --overlaps-at 32768=0.3,0.8 --backends torch-dense-sdpa,triton,jax-triton --time-budget 120 --out "$R/bench"
   alone probe_deterministic 100 python3 scripts/gpu/probe_deterministic.py --out "$R/probe_deterministic"
+  alone unions 100 python3 scripts/gpu/probe_unions.py --out "$R/unions" --seq-lens 32768 --overlaps 0.8 \
+    --kv-scales 1 32 64 --budget-s 90
   ;;
 final)
   # timing only, each step alone: (24,2) across S and overlap, (12,1), the Hopper forward's probe
