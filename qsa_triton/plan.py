@@ -267,9 +267,9 @@ def rank_words(kv_length: int) -> int:
 
 
 # The rank recipe passes over S_kv bytes per group where the sort orders rows * K keys; it is
-# used while S_kv is at most this many times rows * K (docs/benchmarks.md "Eleventh session":
-# the rank recipe was the faster of the two at every ratio measured, up to this one).
-RANK_IDS_PER_KEY = 32
+# used while S_kv is at most this many times rows * K (the measured crossover lies between 16
+# and 32: docs/benchmarks.md, "Eleventh session").
+RANK_IDS_PER_KEY = 16
 
 
 def rank_recipe(step: SortStep, k: int, kv_length: int) -> bool:

@@ -170,7 +170,7 @@ adopt)
   # a kernel change in one call: complete's checks side by side (the parity matrix of both
   # frameworks, the kernels' GPU tests, memcheck), then alone the side-by-side timing at
   # S=8192 / 32768 (J 0.3, 0.8) / 131072, the deterministic backward's probe and the union
-  # recipes against each other up to the rank recipe's limit (S_kv = 32 * rows * K) and past it
+  # recipes against each other up to the rank recipe's limit (S_kv = 16 * rows * K) and past it
   beside parity 300 python3 scripts/gpu/run_parity_and_bench.py --out "$R/parity" --skip-bench --skip-api \
     --budget 270 --parity-args "--backends triton,jax-triton"
   beside gpu_tests 330 python3 -m pytest -q -p no:cacheprovider tests/test_backward_sm90.py \
