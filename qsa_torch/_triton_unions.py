@@ -2,11 +2,11 @@
 
 The recipe is ``qsa_triton.plan.union_recipe`` (shared with ``qsa_jax``), per group of
 query rows one of two that give the same unions (``qsa_triton.plan.rank_recipe``
-picks): one kernel marks each group's IDs in a bitmap of S_kv bits and places each route
-at its ID's rank among them (``qsa_triton.union_rank``); or a Triton kernel writes one sort key per route
-straight from the routes (any strides, int32 or int64), ``torch.sort`` orders them (flat
-radix sorts of many groups at once), and a second kernel turns the sorted keys into the
-union, its length and the row bits. Coarser unions are cut into finer ones by a third
+picks): one kernel marks each group's IDs, a byte per K/V row, and places each route at
+its ID's rank among them (``qsa_triton.union_rank``); or a Triton kernel writes one sort
+key per route straight from the routes (any strides, int32 or int64), ``torch.sort``
+orders them (flat radix sorts of many groups at once), and a second kernel turns the
+sorted keys into the union, its length and the row bits. Coarser unions are cut into finer ones by a third
 kernel instead of being built again.
 Nothing synchronises with the host: union widths are static (``T * K`` capped at S_kv).
 """
@@ -31,10 +31,11 @@ class TileUnions:
     """Per-tile route unions: what the kernels walk.
 
     ``union`` int32 ``[B, n_tiles, W]``: the distinct valid IDs routed by the tile's
-    rows, ascending (W = min(T * K, S_kv)). ``count`` int32 ``[B, n_tiles]``: how many
-    entries of ``union`` are valid. ``rowbits`` int32 ``[B, n_tiles, W]``: bit t set iff
-    row t of the tile routes to ``union[..., u]``. Entries past the count are
-    unspecified (never written): the kernels read a union only up to its count.
+    rows, ascending, then -1 (W = min(T * K, S_kv); a flat program's rows times K).
+    ``count`` int32 ``[B, n_tiles]``: how many entries of ``union`` are valid. ``rowbits``
+    int32 ``[B, n_tiles, W]``: bit t set iff row t of the tile routes to ``union[..., u]``
+    (0 past the count). Unpadded unions (``build_unions(..., padded=False)``, which only
+    the kernels read, up to each count) leave the entries past each count unwritten.
     ``rows_per_tile``: T (for flat programs, the power of two bounding their rows).
     """
 

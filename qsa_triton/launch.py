@@ -405,8 +405,8 @@ def rank_launch(step: SortStep, routes: Operand, kv_length: int, first_group: in
         raise ValueError(f"{n_window} union groups do not fit a CUDA launch grid")
     shape = (n_window, step.width)
     outputs = (Output("UNION", shape, "int32"), Output("ROWBITS", shape, "int32"),
-               Output("COUNT", (n_window,), "int32"), Output("PRESENT", (n_window, words), "int32"), Output("PREFIX", (n_window, words), "int32"),
-               Output("MARKS", (n_window, 8 * words), "int32"))
+               Output("COUNT", (n_window,), "int32"), Output("PRESENT", (n_window, words), "int32"),
+               Output("PREFIX", (n_window, words), "int32"), Output("MARKS", (n_window, 8 * words), "int32"))
     params = _strides("sr_", strides, ("b", "s", "k")) + [
         ("s_q", s_q), ("k", k), ("kv_length", kv_length), ("n_tiles", step.n_groups), ("first_group", first_group),
         ("width", step.width), ("words", words), ("group_size", step.group), ("T", step.rows),
