@@ -195,13 +195,12 @@ def sorted_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y:
     return merged["UNION"], merged["COUNT"], merged["ROWBITS"]
 
 
-def rank_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y: int, launcher, *,
-                padded: bool = True):
+def rank_unions(routes: jax.Array, kv_length: int, step: SortStep, launcher, *, padded: bool = True):
     """:func:`sorted_unions` without the sort: the rank kernel (``qsa_triton.union_rank``),
     window by window (``qsa_torch``'s recipe; its scratch outputs are dropped). XLA may
     schedule several windows' scratch at once, so torch's bound on it (the sort keys'
     bytes) is not guaranteed here. ``padded`` False leaves the entries past each count
-    unwritten. ``max_grid_y`` is unused (the grid is one-dimensional)."""
+    unwritten."""
     bsz, _, k = routes.shape
     groups = bsz * step.n_groups
     window = spec.rank_window(step, bsz, k, kv_length)
@@ -221,7 +220,7 @@ def step_unions(routes: jax.Array, kv_length: int, step: SortStep, max_grid_y: i
     """``step``'s unions by the recipe ``qsa_triton.plan.rank_recipe`` picks (the sort
     recipe's are always padded)."""
     if rank_recipe(step, routes.shape[2], kv_length):
-        return rank_unions(routes, kv_length, step, max_grid_y, launcher, padded=padded)
+        return rank_unions(routes, kv_length, step, launcher, padded=padded)
     return sorted_unions(routes, kv_length, step, max_grid_y, launcher)
 
 

@@ -77,13 +77,11 @@ def sorted_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
     return TileUnions(merged["UNION"], merged["COUNT"], merged["ROWBITS"], step.rows)
 
 
-def rank_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
-                max_grid_y: int = MAX_GRID_Y, *, padded: bool = True) -> TileUnions:
+def rank_unions(routes: torch.Tensor, kv_length: int, step: SortStep, *, padded: bool = True) -> TileUnions:
     """:func:`sorted_unions` without the sort (``qsa_triton.union_rank``): the same
     unions element for element (with ``padded`` False, up to each count only), from each
     route's rank among its group's IDs, window by window (``qsa_triton.launch.rank_window``:
-    the kernel's scratch no larger than the sort's int32 keys). ``max_grid_y`` is unused:
-    the grid is one-dimensional."""
+    the kernel's scratch no larger than the sort's int32 keys; the grid is one-dimensional)."""
     bsz, _, k = routes.shape
     groups = bsz * step.n_groups
     window = spec.rank_window(step, bsz, k, kv_length)
@@ -107,7 +105,7 @@ def step_unions(routes: torch.Tensor, kv_length: int, step: SortStep,
     """``step``'s unions by the recipe ``qsa_triton.plan.rank_recipe`` picks (the sort
     recipe's are always padded)."""
     if rank_recipe(step, routes.shape[2], kv_length):
-        return rank_unions(routes, kv_length, step, max_grid_y, padded=padded)
+        return rank_unions(routes, kv_length, step, padded=padded)
     return sorted_unions(routes, kv_length, step, max_grid_y)
 
 

@@ -41,7 +41,7 @@ UNION_BLOCK = 1024  # keys (IDs) per step of the union kernels
 UNION_WARPS, UNION_STAGES = 4, 3
 FIXED_POINT_BLOCK = 1024  # elements per program of the fixed-point conversion
 # the rank kernel runs one program per group through four dependent passes: 8 warps keep more
-# of each pass's memory operations in flight (docs/benchmarks.md, eleventh session)
+# of each pass's memory operations in flight
 RANK_WARPS = 8
 RANK_SCRATCH_BYTES = 40  # the rank kernel's scratch per word of 32 IDs: 32 mark bytes, PRESENT, PREFIX
 

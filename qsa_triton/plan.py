@@ -267,8 +267,7 @@ def rank_words(kv_length: int) -> int:
 
 
 # The rank recipe passes over S_kv bytes per group where the sort orders rows * K keys; it is
-# used while S_kv is at most this many times rows * K (the measured crossover lies between 16
-# and 32: docs/benchmarks.md, "Eleventh session").
+# used while S_kv is at most this many times rows * K (past it, the sort is the faster).
 RANK_IDS_PER_KEY = 16
 
 

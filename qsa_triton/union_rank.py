@@ -101,9 +101,10 @@ def union_rank_kernel(
     group = first_group + w
     present = PRESENT + w * words
     prefix = PREFIX + w * words
-    marks = (MARKS + w * words * 8).to(tl.pointer_type(tl.int8))
+    marks32 = MARKS + w * words * 8  # the marks as int32 words, for zeroing
+    marks = marks32.to(tl.pointer_type(tl.int8))
     n_routes = T * k
-    fill(MARKS + w * words * 8, 0, words * 8, 0, BLOCK, INTERPRET)
+    fill(marks32, 0, words * 8, 0, BLOCK, INTERPRET)
     tl.debug_barrier()
     if INTERPRET:
         start = 0
