@@ -10,13 +10,15 @@ and dO once, then gathers each 64-ID chunk's K and V rows with cp.async into one
 Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per chunk each
 1. computes S = Q K^T, P, dP = dO V^T and dS for its pairs ([64, 64] fp32 each),
 2. stores P and dS (16-bit) into the program's shared [128, 64] P and dS,
-3. adds dS K into its dQ ([64, 256] fp32 in registers) and releases K and V to the
-   producer, which gathers the next chunk meanwhile,
+3. adds dS K into its dQ ([64, 256] fp32 in registers); it releases V to the producer
+   once dP is done and K once dQ is, and the producer gathers the next chunk's V, then
+   its K, meanwhile,
 4. once both halves of P and dS are stored, builds one of the chunk's two [64 IDs, 256]
    gradient blocks over all 128 pairs, GRAD_COLS columns at a time, one block in flight
    (16 registers beside dQ's 128 and A's 32): the first consumer dV = P^T dO, the second
    dK = scale * dS^T Q (P^T or dS^T loaded into registers once per chunk, the A operand
-   of every block's product); each block is moved within its warps (shuffles) to a
+   of every block's product; once both consumers hold theirs, P and dS are free for the
+   next chunk's); each block is moved within its warps (shuffles) to a
    layout whose warp instructions add whole 128-byte lines, and added to DV / DK with
    relaxed v4 fp32 atomics (4 adjacent columns per thread), or with DETERMINISTIC one
    column per lane, rounded to int64 and added with scalar 64-bit atomics (64-bit adds
@@ -60,14 +62,15 @@ SUB_ROWS = gl.constexpr(16)  # K/V rows per producer gather step
 GRAD_COLS = gl.constexpr(32)  # columns of a gradient block (m64n32 products, one in flight)
 LOG2E = gl.constexpr(1.4426950408889634)
 
-# barriers (indices into ``bars``): Q/dO loaded, K ready, V ready, K/V free, P/dS stored
-# (both halves), P/dS read (both gradient blocks)
+# barriers (indices into ``bars``): Q/dO loaded, K ready, V ready, K free, P/dS stored
+# (both halves), P/dS read (both gradient blocks' A operands loaded), V free
 QDO = gl.constexpr(0)
 K_READY = gl.constexpr(1)
 V_READY = gl.constexpr(2)
-KV_FREE = gl.constexpr(3)
+K_FREE = gl.constexpr(3)
 PDS_STORED = gl.constexpr(4)
 PDS_READ = gl.constexpr(5)
+V_FREE = gl.constexpr(6)
 
 
 @gluon.jit
@@ -96,12 +99,14 @@ def _producer(Q, DO, LSE, K, V, UNION, q_smem, do_smem, k_smem, v_smem, bars,
     # last chunk they repeat IDs of the union: in bounds, never used)
     ids0, ids1, ids2, ids3 = _step_ids(UNION, union_base, 0, count, rows)
     for j in range(n_chunks):
-        # a fresh barrier counts as completed for parity 1: the first wait passes
-        mbarrier.wait(bars.index(KV_FREE), (j & 1) ^ 1)
-        _gather_rows(k_smem, K + kv_base_k, sk_s, ids0, ids1, ids2, ids3, cols)
-        async_copy.mbarrier_arrive(bars.index(K_READY), increment_count=False)
+        # V is free once the previous chunk's dP is done, K only after its dQ: V first (a
+        # fresh barrier counts as completed for parity 1: the first waits pass)
+        mbarrier.wait(bars.index(V_FREE), (j & 1) ^ 1)
         _gather_rows(v_smem, V + kv_base_v, sv_s, ids0, ids1, ids2, ids3, cols)
         async_copy.mbarrier_arrive(bars.index(V_READY), increment_count=False)
+        mbarrier.wait(bars.index(K_FREE), (j & 1) ^ 1)
+        _gather_rows(k_smem, K + kv_base_k, sk_s, ids0, ids1, ids2, ids3, cols)
+        async_copy.mbarrier_arrive(bars.index(K_READY), increment_count=False)
         ids0, ids1, ids2, ids3 = _step_ids(UNION, union_base, (j + 1) * BLOCK_K, count, rows)
 
 
@@ -156,7 +161,7 @@ def _add_layout(rows, cols, deterministic):
 
 
 @gluon.jit
-def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
+def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, read_bar, scale, factor,
                D: gl.constexpr, BLOCK_K: gl.constexpr, COLS: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """ACC[id_u, :] += scale * (A^T B)[u, :] for the chunk's IDs, COLS columns at a time:
     ``a_t`` [BLOCK_K, PAIRS] (P^T or dS^T, a transposed view), B ``b_smem`` [PAIRS, D] (dO
@@ -165,7 +170,8 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
     COLS * 32 bytes: bound by shared-memory reads). IDs past the union's count repeat routed IDs and
     add rows of zeros. With DETERMINISTIC, ACC holds int64 sums: each scaled product times
     ``factor`` (the fixed-point scale 2**e) rounded to the nearest integer, ties to even, as
-    ``backward.py`` rounds them (``fixed_point.add_fixed``)."""
+    ``backward.py`` rounds them (``fixed_point.add_fixed``). Arrives on ``read_bar`` once A
+    is in registers: the shared P / dS are not read again this chunk."""
     nw: gl.constexpr = gl.num_warps()
     gl.static_assert(nw == 4 and BLOCK_K == 64 and COLS == 32, "_add_steps is built for 4 warps, [64, 32] blocks")
     acc_layout: gl.constexpr = _wgmma_layout(nw, COLS)
@@ -175,6 +181,7 @@ def _add_block(ACC, acc_base, sdk_s, ids, a_t, b_smem, scale, factor,
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, add_layout))
     zero = gl.zeros([BLOCK_K, COLS], gl.float32, layout=acc_layout)
     a_t = a_t.load(gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))  # [BLOCK_K, PAIRS]
+    mbarrier.arrive(read_bar, count=1)
     # one block at a time: a second [64, COLS] block in flight makes ptxas serialize the
     # wgmma at COLS = 32 (C7512); the other consumer's products fill the tensor cores while
     # this one adds
@@ -264,29 +271,29 @@ def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem,
         scores = warpgroup_mma_wait(0, deps=[scores])
         member = (((gl.expand_dims(bits, 0) >> gl.expand_dims(t_s, 1)) & 1) != 0) & gl.expand_dims(ok_s, 1)
         p = gl.where(member, gl.exp2(scores * scale_log2 - gl.expand_dims(lse_log2, 1)), 0.0)
-        # the other consumer has read the previous chunk's P and dS (a fresh barrier counts
-        # as completed for parity 1): S above overlaps its last gradient block
+        # both consumers have loaded the previous chunk's P and dS (a fresh barrier counts as
+        # completed for parity 1)
         mbarrier.wait(bars.index(PDS_READ), phase ^ 1)
         my_p.store(p.to(k_smem_j.dtype))
-        mbarrier.wait(bars.index(V_READY), phase)  # S above overlaps the V gather
+        mbarrier.wait(bars.index(V_READY), phase)
         fence_async_shared()
         dp = warpgroup_mma(do_rows, v_smem_j.permute([1, 0]), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma_wait(0, deps=[dp])
+        mbarrier.arrive(bars.index(V_FREE), count=1)  # V of this chunk is read
         my_ds.store((p * (dp - gl.expand_dims(delta, 1))).to(k_smem_j.dtype))
         fence_async_shared()  # the stores before the wgmma reads below
         ids = _chunk_ids(UNION, union_base, j * BLOCK_K, count, ids_k)  # in flight during dQ
         dq = warpgroup_mma(my_ds, k_smem_j, dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=[dq])
-        mbarrier.arrive(bars.index(KV_FREE), count=1)  # K and V of this chunk are read
+        mbarrier.arrive(bars.index(K_FREE), count=1)  # K of this chunk is read
         mbarrier.arrive(bars.index(PDS_STORED), count=1)
         mbarrier.wait(bars.index(PDS_STORED), phase)
         if HALF == 0:
-            _add_block(acc, dk_base, sdk_s, ids, p_all.permute([1, 0]), do_all, block_scale, factor, D, BLOCK_K,
-                       GRAD_COLS, DETERMINISTIC)
+            _add_block(acc, dk_base, sdk_s, ids, p_all.permute([1, 0]), do_all, bars.index(PDS_READ), block_scale,
+                       factor, D, BLOCK_K, GRAD_COLS, DETERMINISTIC)
         else:
-            _add_block(acc, dk_base, sdk_s, ids, ds_all.permute([1, 0]), q_all, block_scale, factor, D, BLOCK_K,
-                       GRAD_COLS, DETERMINISTIC)
-        mbarrier.arrive(bars.index(PDS_READ), count=1)
+            _add_block(acc, dk_base, sdk_s, ids, ds_all.permute([1, 0]), q_all, bars.index(PDS_READ), block_scale,
+                       factor, D, BLOCK_K, GRAD_COLS, DETERMINISTIC)
 
     if DETERMINISTIC:
         # a non-finite P or dS of these pairs reaches their dQ (dQ += dS K; 0 * inf is NaN
@@ -354,10 +361,10 @@ def qsa_backward_sm90_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [1] + [BLOCK_K, D], kv_layout)
     p_smem = gl.allocate_shared_memory(dtype, [1] + [PAIRS, BLOCK_K], pd_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [1] + [PAIRS, BLOCK_K], pd_layout)
-    bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(3):  # completed by the producer's cp.async arrivals
         mbarrier.init(bars.index(i), count=32 * PRODUCER_WARPS)
-    for i in gl.static_range(3, 6):  # one arrival per consumer
+    for i in gl.static_range(3, 7):  # one arrival per consumer
         mbarrier.init(bars.index(i), count=2)
 
     gl.warp_specialize([
