@@ -31,6 +31,7 @@ __all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS
            "RANK_SCRATCH_BYTES",
            "LOG2E", "FIXED_POINT_BLOCK", "fp32", "contiguous_strides", "attempts", "forward_launch",
            "backward_launch", "forward_sm90_launch", "SM90_FORWARD_SHARED", "backward_sm90_launch",
+           "attention_input_dtypes",
            "SM90_BACKWARD_SHARED",
            "fixed_point_bounds", "fixed_point_launch", "keys_launch", "merge_launch", "rank_window", "rank_launch",
            "cut_launch", "kernel", "compile_signature", "interpreted", "interprets"]
@@ -455,6 +456,22 @@ def kernel(name: str):
 
 
 _TRITON_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "int32": "*i32"}
+
+
+def attention_input_dtypes(launch: Launch, dtype: str) -> dict[str, str]:
+    """Input name -> dtype name for a forward or backward kernel's ``launch`` whose Q, K, V,
+    O and dO are ``dtype``: LSE and MAXIMA fp32, the unions' UNION / COUNT / ROWBITS int32
+    (the arrays the launchers pass). Raises ``ValueError`` for an input outside these."""
+    fixed = {"LSE": "float32", "MAXIMA": "float32", "UNION": "int32", "COUNT": "int32", "ROWBITS": "int32"}
+    out = {}
+    for name in launch.inputs:
+        if name in ("Q", "K", "V", "O", "DO"):
+            out[name] = dtype
+        elif name in fixed:
+            out[name] = fixed[name]
+        else:
+            raise ValueError(f"{launch.kernel}: input {name!r} is not an attention kernel's")
+    return out
 
 
 def compile_signature(launch: Launch, input_dtypes: dict[str, str], *, integers_constant: bool = False):

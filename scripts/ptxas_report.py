@@ -27,8 +27,6 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-TYPES = dict(Q="bfloat16", K="bfloat16", V="bfloat16", O="bfloat16", DO="bfloat16", LSE="float32",
-             UNION="int32", COUNT="int32", ROWBITS="int32", MAXIMA="float32")
 KERNELS = ("forward", "backward", "backward-deterministic")
 
 
@@ -67,7 +65,7 @@ def compile_ptx(launch):
     from qsa_triton import launch as spec
 
     fn = spec.kernel(launch.kernel)
-    sig, constexprs, attrs = spec.compile_signature(launch, TYPES)
+    sig, constexprs, attrs = spec.compile_signature(launch, spec.attention_input_dtypes(launch, "bfloat16"))
     kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=launch.num_warps))
     return kernel.asm["ptx"], kernel.metadata

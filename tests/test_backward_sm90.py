@@ -52,6 +52,24 @@ def test_launch_scope():
     assert launch.arg_names() == fixed.arg_names() == tuple(spec.kernel(launch.kernel).arg_names)
 
 
+def test_attention_input_dtypes():
+    """The ahead-of-time compiles' input dtypes (``scripts/ptxas_report.py``, the jax-triton
+    compile test): the compute dtype for Q/K/V/O/dO, fp32 LSE and maxima, int32 unions; an
+    input of another kernel is refused."""
+    plan = make_plan(12, 256, DEFAULT_BLOCK_SIZES)
+    q, kv = _operand((1, 300, 24, 256)), _operand((1, 300, 2, 256))
+    unions = (1, plan.n_tiles(300), 2052)
+    launch = spec.backward_sm90_launch(plan, q, kv, kv, q, q, unions, 0.0625, "float16", deterministic=True)
+    assert spec.attention_input_dtypes(launch, "float16") == dict(
+        Q="float16", K="float16", V="float16", O="float16", DO="float16", LSE="float32", UNION="int32",
+        COUNT="int32", ROWBITS="int32", MAXIMA="float32")
+    forward = spec.forward_launch(plan, q, kv, kv, unions, 0.0625, "bfloat16", interpreted=False)
+    assert set(spec.attention_input_dtypes(forward, "bfloat16").values()) == {"bfloat16", "int32"}
+    other = spec.Launch(**{**launch.__dict__, "inputs": launch.inputs + ("ROUTES",)})
+    with pytest.raises(ValueError, match="ROUTES"):
+        spec.attention_input_dtypes(other, "bfloat16")
+
+
 # The m64n32 wgmma accumulator's fragment (PTX ISA, "wgmma .m64nNk16 register fragment"),
 # per warp of 16 rows as [row, column] bases: registers column 1, row 8, columns 8 and 16;
 # lanes columns 2 and 4, rows 1, 2 and 4.

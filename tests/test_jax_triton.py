@@ -500,8 +500,6 @@ from qsa_triton import DEFAULT_BLOCK_SIZES, make_plan
 from qsa_triton import launch as spec
 from qsa_triton.plan import union_recipe
 
-TYPES = dict(Q="bfloat16", K="bfloat16", V="bfloat16", O="bfloat16", DO="bfloat16", LSE="float32",
-             UNION="int32", COUNT="int32", ROWBITS="int32", MAXIMA="float32")
 plan = make_plan(12, 256, DEFAULT_BLOCK_SIZES)
 q = ((1, 512, 24, 256), spec.contiguous_strides((1, 512, 24, 256)))
 kv = ((1, 512, 2, 256), spec.contiguous_strides((1, 512, 2, 256)))
@@ -518,7 +516,8 @@ def compile_ptx(launch, jax_triton):
     # compiled for sm_90a as each launcher specialises it: torch's JIT (runtime integers, 1
     # as a constant, multiples of 16 marked divisible), jax-triton (integers as constants)
     fn = spec.kernel(launch.kernel)
-    sig, constexprs, attrs = spec.compile_signature(launch, TYPES, integers_constant=jax_triton)
+    sig, constexprs, attrs = spec.compile_signature(launch, spec.attention_input_dtypes(launch, "bfloat16"),
+                                                    integers_constant=jax_triton)
     kernel = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
