@@ -17,13 +17,12 @@ the same ``backward.py``. Writes ``probe_backward_sm90.json`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_common import Record, log, run_step  # noqa: E402
+from gpu_common import Record, log, run_step, step_result  # noqa: E402
 
 
 def _problem(seq, heads, kind, seed, device):
@@ -129,8 +128,7 @@ def main(argv=None) -> int:
     parser.add_argument("--overlap", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.step:
-        print("RESULT " + json.dumps(_step(args)), flush=True)
-        return 0
+        return step_result(_step(args))
 
     record = Record(os.path.join(args.out, "probe_backward_sm90.json"), args.budget_s)
 

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_common import ROOT, log, relative_error  # noqa: E402
+from gpu_common import ROOT, log, relative_error, step_result  # noqa: E402
 
 # name: (heads, dtype, BlockSizes changes from the base, base) with base "default" or "safe"
 CASES = {
@@ -65,12 +65,10 @@ def run_case(name: str) -> int:
         got = run_torch(lambda *a: triton_sparse_gqa_attention(*a, block_sizes=blocks), q, k, v, problem.routes,
                         256 ** -0.5, do, dtype, device="cuda")
     except ValueError as err:  # the plan refuses the configuration
-        print("RESULT " + json.dumps({"refused": str(err)}), flush=True)
-        return 0
+        return step_result({"refused": str(err)})
     want = oracle_forward_backward(q, k, v, problem.routes, 256 ** -0.5, do)
     errs = {n: relative_error(g, w) for n, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
-    print("RESULT " + json.dumps(errs), flush=True)
-    return 0
+    return step_result(errs)
 
 
 def main(argv=None) -> int:
