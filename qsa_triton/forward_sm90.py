@@ -9,8 +9,10 @@ into a ring of STAGES shared-memory buffers and signals an mbarrier per buffer (
 of the chunk's copies have landed); two consumer partitions of one warpgroup each (64
 matrix rows apiece) run the wgmma products and the softmax, and release each buffer with
 one arrival each once their products are done. Gathers of chunk j + 1 thus overlap the
-products of chunk j, and the two consumers, synchronised only through the buffers, drift
-apart so that one's softmax overlaps the other's products.
+products of chunk j. The consumers take turns issuing their products (FlashAttention-3's
+ping-pong schedule, two more mbarriers): each turn issues one consumer's P V of a chunk and
+its scores of the next, so that one consumer's softmax overlaps the other's products; the
+buffer of a chunk is released once its P V is done, while the next scores still run.
 
 Scope (``qsa_triton.launch.forward_sm90_launch``): 16-bit inputs, D = 256 with unit
 stride along D, programs of PAIRS = 128 (row, head) pairs (flat, or padded tiles of all G
@@ -38,9 +40,11 @@ _gather_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_
 
 PRODUCER_WARPS = gl.constexpr(4)
 # registers per thread (setmaxnreg) of the producer (the addresses of its 16-byte copies)
-# and of the second consumer warpgroup (its [64, 256] fp32 accumulator and the scores)
-PRODUCER_REGS = gl.constexpr(96)
-CONSUMER_REGS = gl.constexpr(208)
+# and of the second consumer warpgroup (its [64, 256] fp32 accumulator in flight beside the
+# next chunk's scores: with 208, ptxas serializes the wgmma, C7512; the first consumer gets
+# what is left of 3 x 168: 224)
+PRODUCER_REGS = gl.constexpr(64)
+CONSUMER_REGS = gl.constexpr(216)
 
 
 @gluon.constexpr_function
@@ -103,11 +107,17 @@ def _producer(Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
 
 
 @gluon.jit
-def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2,
+def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, turn, scale_log2,
               tile, S_q, G, o_base, so_s, so_h, lse_base, sl_h, sl_s, union_base, count,
               PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
               HALF: gl.constexpr):
-    """Matrix rows [HALF * 64, HALF * 64 + 64) of the program, on one warpgroup."""
+    """Matrix rows [HALF * 64, HALF * 64 + 64) of the program, on one warpgroup.
+
+    The two consumers take turns issuing their products (FlashAttention-3's ping-pong
+    schedule): in turn t a consumer issues chunk t - 1's P V and chunk t's scores, then
+    runs chunk t's softmax while the other consumer's turn t fills the tensor cores; the
+    first consumer's turn t comes after the second's turn t - 1. ``turn.index(h)``
+    completes when consumer h may start its next turn."""
     nw: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = PAIRS // 2
     # [ROWS, BLOCK_K] scores and [ROWS, D] output
@@ -123,18 +133,22 @@ def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2,
     l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
     zero_s = gl.zeros([ROWS, BLOCK_K], gl.float32, layout=s_layout)
+    mine = turn.index(HALF)
+    other = turn.index(1 - HALF)
     mbarrier.wait(ready.index(2 * STAGES), 0)
     n_chunks = gl.cdiv(count, BLOCK_K)
+    # turn 0: chunk 0's scores (without chunks the product reads a buffer nobody filled and
+    # nothing reads its result)
+    bits = gl.load(ROWBITS + union_base + cols_k, mask=cols_k < count, other=0)
+    mbarrier.wait(mine, 0, pred=HALF == 1)
+    mbarrier.wait(ready.index(0), 0, pred=n_chunks > 0)
+    fence_async_shared()  # cp.async (generic proxy) writes before wgmma (async proxy) reads
+    scores = warpgroup_mma(q_rows, k_bufs.index(0).permute([1, 0]), zero_s, use_acc=False, is_async=True)
+    mbarrier.arrive(other, count=1)
+    scores = warpgroup_mma_wait(0, deps=[scores])
     for j in range(n_chunks):
         s = j % STAGES
         phase = (j // STAGES) & 1
-        u = j * BLOCK_K + cols_k
-        bits = gl.load(ROWBITS + union_base + u, mask=u < count, other=0)
-        mbarrier.wait(ready.index(s), phase)
-        fence_async_shared()  # cp.async (generic proxy) writes before wgmma (async proxy) reads
-        k_buf = k_bufs.index(s)
-        scores = warpgroup_mma(q_rows, k_buf.permute([1, 0]), zero_s, use_acc=False, is_async=True)
-        scores = warpgroup_mma_wait(0, deps=[scores])
         member = (((gl.expand_dims(bits, 0) >> gl.expand_dims(t_s, 1)) & 1) != 0) & gl.expand_dims(ok_s, 1)
         scores = gl.where(member, scores * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(scores, axis=1))
@@ -146,12 +160,25 @@ def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2,
         m_i = m_new
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
+        # turn j + 1: chunk j's P V, then chunk j + 1's scores (the last turn repeats chunk
+        # j's scores, which nobody reads: every product is unconditional)
+        nxt = gl.minimum(j + 1, n_chunks - 1)
+        s_next = nxt % STAGES
+        u = nxt * BLOCK_K + cols_k
+        bits = gl.load(ROWBITS + union_base + u, mask=u < count, other=0)
         mbarrier.wait(ready.index(STAGES + s), phase)
+        mbarrier.wait(mine, (j + HALF) & 1)
         fence_async_shared()
-        v_buf = v_bufs.index(s)
-        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
+        acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
+        mbarrier.wait(ready.index(s_next), (nxt // STAGES) & 1)
+        fence_async_shared()
+        scores = warpgroup_mma(q_rows, k_bufs.index(s_next).permute([1, 0]), zero_s, use_acc=False, is_async=True)
+        mbarrier.arrive(other, count=1)
+        # chunk j's P V first (wgmma groups retire in order): its buffer is free while the
+        # scores still run
+        acc = warpgroup_mma_wait(1, deps=[acc])
         mbarrier.arrive(empty.index(s), count=1)
+        scores = warpgroup_mma_wait(0, deps=[scores])
 
     # l_i is 0 exactly for a row without routes; NaN counts as routed (forward.py)
     has = l_i != 0.0
@@ -209,15 +236,19 @@ def qsa_forward_sm90_kernel(
     # noinc cp.async arrival per producer thread. empty: one arrival per consumer per stage.
     ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 1, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # turn.index(h): consumer h may issue its next products (_consumer)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2 * STAGES + 1):
         mbarrier.init(ready.index(i), count=32 * PRODUCER_WARPS)
     for i in gl.static_range(STAGES):
         mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
 
     gl.warp_specialize([
-        (_consumer, (ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2, tile, S_q, G, o_base,
+        (_consumer, (ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, turn, scale_log2, tile, S_q, G, o_base,
                      so_s, so_h, lse_base, sl_h, sl_s, union_base, count, PAIRS, D, BLOCK_K, STAGES, 0)),
-        (_consumer, (ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, scale_log2, tile, S_q, G, o_base,
+        (_consumer, (ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, turn, scale_log2, tile, S_q, G, o_base,
                      so_s, so_h, lse_base, sl_h, sl_s, union_base, count, PAIRS, D, BLOCK_K, STAGES, 1)),
         (_producer, (Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
                      tile, S_q, G, q_base, sq_s, sq_h, kv_base_k, kv_base_v, sk_s, sv_s, union_base, count,
