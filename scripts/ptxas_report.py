@@ -8,7 +8,8 @@ the installed triton, as torch's launcher specialises them for the tuned problem
 (24,2), D=256, bf16, the default plan's 128-pair programs: ``qsa_triton.launch``'s
 launches, runtime integers marked divisible by 16 where they are), then runs the wheel's
 ``ptxas -v`` on the PTX. Per kernel: registers, stack frame and spill bytes, whether ptxas
-serialized the wgmma for want of registers (warning C7512, a large slowdown), shared
+serialized the wgmma (a large slowdown; ptxas says why in an info line: C7512 for want of
+registers, C7515 for a non-wgmma instruction writing an in-flight accumulator, ...), shared
 memory and the number of wgmma instructions. No GPU is needed; the figures are the ones
 to check before a kernel change goes to the GPU. They depend on the triton version (the
 GPU host runs 3.6: ``docs/design-token-gather.md`` notes where 3.9's PTX differs).
@@ -87,14 +88,17 @@ def _cuobjdump() -> str | None:
 
 
 def parse_ptxas(text: str) -> dict:
-    """Registers, stack frame, spill store / load bytes and C7512 from ``ptxas -v`` output."""
+    """Registers, stack frame, spill store / load bytes and wgmma serialization (with the
+    codes of ptxas's reasons) from ``ptxas -v`` output."""
     used = re.search(r"Used (\d+) registers", text)
+    serialized = sorted(set(re.findall(r"\((C\d+)\) Potential Performance Loss: wgmma\.mma_async instructions are "
+                                       r"serialized", text)))
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
     if used is None or frame is None:
         raise ValueError(f"no register report in the ptxas output: {text[-500:]}")
     return {"registers": int(used.group(1)), "stack_frame_bytes": int(frame.group(1)),
             "spill_store_bytes": int(frame.group(2)), "spill_load_bytes": int(frame.group(3)),
-            "wgmma_serialized": "C7512" in text}
+            "wgmma_serialized": bool(serialized), "wgmma_serialized_by": serialized}
 
 
 def report(name: str, launch, dump: str | None = None) -> dict:
@@ -133,7 +137,7 @@ def main(argv=None) -> int:
         r = results[name] = report(name, launch, args.dump)
         print(f"{name:24s} registers {r['registers']:3d}  spills {r['spill_store_bytes']:5d} B stored / "
               f"{r['spill_load_bytes']:5d} B loaded  wgmma {r['wgmma']:4d}  "
-              f"{'SERIALIZED (C7512)' if r['wgmma_serialized'] else 'not serialized'}  "
+              f"{'SERIALIZED (' + ', '.join(r['wgmma_serialized_by']) + ')' if r['wgmma_serialized'] else 'not serialized'}  "
               f"shared {r['shared_bytes']} B", flush=True)
     if args.json:
         with open(args.json, "w") as f:

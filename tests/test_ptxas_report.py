@@ -28,9 +28,16 @@ def test_parse_ptxas_reads_registers_spills_and_serialization():
             "    840 bytes stack frame, 1520 bytes spill stores, 1548 bytes spill loads\n"
             "ptxas info    : Used 168 registers, used 4 barriers, 840 bytes cumulative stack size\n")
     assert report.parse_ptxas(text) == {"registers": 168, "stack_frame_bytes": 840, "spill_store_bytes": 1520,
-                                        "spill_load_bytes": 1548, "wgmma_serialized": True}
+                                        "spill_load_bytes": 1548, "wgmma_serialized": True,
+                                        "wgmma_serialized_by": ["C7512"]}
     clean = text.split("\n", 1)[1].replace("840", "48").replace("1520", "64").replace("1548", "76")
     assert report.parse_ptxas(clean)["wgmma_serialized"] is False
+    assert report.parse_ptxas(clean)["wgmma_serialized_by"] == []
+    # any reason ptxas gives counts, e.g. an accumulator written while its wgmma is in flight
+    in_flight = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+                 "due to non wgmma instructions defining accumulator registers of a wgmma between start and end of "
+                 "the pipeline stage in the function 'k'\n") + clean
+    assert report.parse_ptxas(in_flight)["wgmma_serialized_by"] == ["C7515"]
     assert report.parse_ptxas(clean)["spill_load_bytes"] == 76
     with pytest.raises(ValueError, match="no register report"):
         report.parse_ptxas("ptxas fatal   : Unsupported .version 9.4")
