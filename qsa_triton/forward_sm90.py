@@ -120,6 +120,7 @@ def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, turn, scale
     completes when consumer h may start its next turn."""
     nw: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = PAIRS // 2
+    gl.static_assert(STAGES >= 2, "chunk j + 1's scores are issued before chunk j's buffer is released")
     # [ROWS, BLOCK_K] scores and [ROWS, D] output
     s_layout: gl.constexpr = _wgmma_layout(nw, BLOCK_K)
     o_layout: gl.constexpr = _wgmma_layout(nw, D)
@@ -161,7 +162,8 @@ def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, turn, scale
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
         # turn j + 1: chunk j's P V, then chunk j + 1's scores (the last turn repeats chunk
-        # j's scores, which nobody reads: every product is unconditional)
+        # j's scores, which nobody reads: every product is unconditional; their buffer is
+        # released before they finish, but the producer gathers nothing after the last chunk)
         nxt = gl.minimum(j + 1, n_chunks - 1)
         s_next = nxt % STAGES
         u = nxt * BLOCK_K + cols_k
