@@ -288,12 +288,11 @@ def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem,
         mbarrier.arrive(bars.index(K_FREE), count=1)  # K of this chunk is read
         mbarrier.arrive(bars.index(PDS_STORED), count=1)
         mbarrier.wait(bars.index(PDS_STORED), phase)
-        if HALF == 0:
-            _add_block(acc, dk_base, sdk_s, ids, p_all.permute([1, 0]), do_all, bars.index(PDS_READ), block_scale,
-                       factor, D, BLOCK_K, GRAD_COLS, DETERMINISTIC)
-        else:
-            _add_block(acc, dk_base, sdk_s, ids, ds_all.permute([1, 0]), q_all, bars.index(PDS_READ), block_scale,
-                       factor, D, BLOCK_K, GRAD_COLS, DETERMINISTIC)
+        # dV = P^T dO (HALF 0) or dK = scale * dS^T Q (HALF 1)
+        a_all = p_all if HALF == 0 else ds_all
+        b_all = do_all if HALF == 0 else q_all
+        _add_block(acc, dk_base, sdk_s, ids, a_all.permute([1, 0]), b_all, bars.index(PDS_READ), block_scale, factor,
+                   D, BLOCK_K, GRAD_COLS, DETERMINISTIC)
 
     if DETERMINISTIC:
         # a non-finite P or dS of these pairs reaches their dQ (dQ += dS K; 0 * inf is NaN
