@@ -4,15 +4,17 @@ The same program, unions and math as ``forward.py`` (flat programs of ``PAIRS`` 
 head) pairs of one KV head's group, the tile union walked in chunks of BLOCK_K IDs, an
 fp32 online softmax in the log2 domain), split across warps as in FlashAttention-3 /
 FlashMLA: a 4-warp producer partition gathers each chunk's K and V rows with cp.async
-into a ring of STAGES shared-memory buffers and signals an mbarrier per buffer (one
-``cp.async.mbarrier.arrive.noinc`` per producer thread, so a barrier completes when all
-of the chunk's copies have landed); two consumer partitions of one warpgroup each (64
-matrix rows apiece) run the wgmma products and the softmax, and release each buffer with
-one arrival each once their products are done. Gathers of chunk j + 1 thus overlap the
-products of chunk j. The consumers take turns issuing their products (FlashAttention-3's
-ping-pong schedule, two more mbarriers): each turn issues one consumer's P V of a chunk and
-its scores of the next, so that one consumer's softmax overlaps the other's products; the
-buffer of a chunk is released once its P V is done, while the next scores still run.
+into two rings of shared-memory buffers (STAGES + 1 for K, STAGES for V) and signals an
+mbarrier per buffer (one ``cp.async.mbarrier.arrive.noinc`` per producer thread, so a
+barrier completes when all of the chunk's copies have landed); two consumer partitions of
+one warpgroup each (64 matrix rows apiece) run the wgmma products and the softmax, and
+release each buffer with one arrival each once the products that read it are done: a
+chunk's K once its scores are, its V once its P V is, a turn later (hence K's extra
+buffer). Gathers of the next chunks thus overlap the products of chunk j. The consumers
+take turns issuing their products (FlashAttention-3's ping-pong schedule, two more
+mbarriers): each turn issues one consumer's P V of a chunk and its scores of the next, so
+that one consumer's softmax overlaps the other's products; the chunk's V is released once
+its P V is done, while the next scores still run.
 
 Scope (``qsa_triton.launch.forward_sm90_launch``): 16-bit inputs, D = 256 with unit
 stride along D, programs of PAIRS = 128 (row, head) pairs (flat, or padded tiles of all G
@@ -90,20 +92,25 @@ def _producer(Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
     q_ptr = Q + gl.expand_dims(q_base + row64 * sq_s + head * sq_h, 1) + gl.expand_dims(cols, 0)
     q_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < D, 0)
     _gather_to_shared(q_smem, q_ptr, q_mask)
-    async_copy.mbarrier_arrive(ready.index(2 * STAGES), increment_count=False)
+    KS: gl.constexpr = STAGES + 1
+    async_copy.mbarrier_arrive(ready.index(KS + STAGES), increment_count=False)
     rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, blk))
     n_chunks = gl.cdiv(count, BLOCK_K)
     for j in range(n_chunks):
-        s = j % STAGES
-        # a fresh barrier counts as released for parity 1: the first STAGES waits pass
-        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        sk = j % KS
+        sv = j % STAGES
+        # a fresh barrier counts as released for parity 1: each ring's first round of waits
+        # passes
+        mbarrier.wait(empty.index(sk), ((j // KS) & 1) ^ 1)
         ids = _chunk_ids(UNION, union_base, j * BLOCK_K, count, rows)
         k_ptr = K + kv_base_k + gl.expand_dims(ids * sk_s, 1) + gl.expand_dims(cols, 0)
-        _gather_to_shared(k_bufs.index(s), k_ptr)
-        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        _gather_to_shared(k_bufs.index(sk), k_ptr)
+        async_copy.mbarrier_arrive(ready.index(sk), increment_count=False)
+        # V's buffer is released a turn after K's (once the chunk's P V is done)
+        mbarrier.wait(empty.index(KS + sv), ((j // STAGES) & 1) ^ 1)
         v_ptr = V + kv_base_v + gl.expand_dims(ids * sv_s, 1) + gl.expand_dims(cols, 0)
-        _gather_to_shared(v_bufs.index(s), v_ptr)
-        async_copy.mbarrier_arrive(ready.index(STAGES + s), increment_count=False)
+        _gather_to_shared(v_bufs.index(sv), v_ptr)
+        async_copy.mbarrier_arrive(ready.index(KS + sv), increment_count=False)
 
 
 @gluon.jit
@@ -136,7 +143,8 @@ def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, turn, scale
     zero_s = gl.zeros([ROWS, BLOCK_K], gl.float32, layout=s_layout)
     mine = turn.index(HALF)
     other = turn.index(1 - HALF)
-    mbarrier.wait(ready.index(2 * STAGES), 0)
+    KS: gl.constexpr = STAGES + 1
+    mbarrier.wait(ready.index(KS + STAGES), 0)
     n_chunks = gl.cdiv(count, BLOCK_K)
     # turn 0: chunk 0's scores (without chunks the product reads a buffer nobody filled and
     # nothing reads its result)
@@ -147,8 +155,9 @@ def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, turn, scale
     scores = warpgroup_mma(q_rows, k_bufs.index(0).permute([1, 0]), zero_s, use_acc=False, is_async=True)
     mbarrier.arrive(other, count=1)
     scores = warpgroup_mma_wait(0, deps=[scores])
+    mbarrier.arrive(empty.index(0), count=1, pred=n_chunks > 0)  # chunk 0's K is read
     for j in range(n_chunks):
-        s = j % STAGES
+        sv = j % STAGES
         phase = (j // STAGES) & 1
         member = (((gl.expand_dims(bits, 0) >> gl.expand_dims(t_s, 1)) & 1) != 0) & gl.expand_dims(ok_s, 1)
         scores = gl.where(member, scores * scale_log2, float("-inf"))
@@ -162,25 +171,26 @@ def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, turn, scale
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
         # turn j + 1: chunk j's P V, then chunk j + 1's scores (the last turn repeats chunk
-        # j's scores, which nobody reads: every product is unconditional; their buffer is
-        # released before they finish, but the producer gathers nothing after the last chunk)
+        # j's scores, which nobody reads: every product is unconditional; their K buffer was
+        # released a turn earlier, but the producer gathers nothing after the last chunk)
         nxt = gl.minimum(j + 1, n_chunks - 1)
-        s_next = nxt % STAGES
+        s_next = nxt % KS
         u = nxt * BLOCK_K + cols_k
         bits = gl.load(ROWBITS + union_base + u, mask=u < count, other=0)
-        mbarrier.wait(ready.index(STAGES + s), phase)
+        mbarrier.wait(ready.index(KS + sv), phase)
         mbarrier.wait(mine, (j + HALF) & 1)
         fence_async_shared()
-        acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
-        mbarrier.wait(ready.index(s_next), (nxt // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_bufs.index(sv), acc, is_async=True)
+        mbarrier.wait(ready.index(s_next), (nxt // KS) & 1)
         fence_async_shared()
         scores = warpgroup_mma(q_rows, k_bufs.index(s_next).permute([1, 0]), zero_s, use_acc=False, is_async=True)
         mbarrier.arrive(other, count=1)
-        # chunk j's P V first (wgmma groups retire in order): its buffer is free while the
+        # chunk j's P V first (wgmma groups retire in order): its V buffer is free while the
         # scores still run
         acc = warpgroup_mma_wait(1, deps=[acc])
-        mbarrier.arrive(empty.index(s), count=1)
+        mbarrier.arrive(empty.index(KS + sv), count=1)  # chunk j's V is read
         scores = warpgroup_mma_wait(0, deps=[scores])
+        mbarrier.arrive(empty.index(s_next), count=1, pred=j + 1 < n_chunks)  # chunk j + 1's K is read
 
     # l_i is 0 exactly for a row without routes; NaN counts as routed (forward.py)
     has = l_i != 0.0
@@ -232,17 +242,19 @@ def qsa_forward_sm90_kernel(
     io_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAIRS, D], Q.dtype.element_ty)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D], K.dtype.element_ty)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [PAIRS, D], io_layout)
-    k_bufs = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_K, D], kv_layout)
+    KS: gl.constexpr = STAGES + 1  # K is released a turn before V: one more K buffer
+    k_bufs = gl.allocate_shared_memory(K.dtype.element_ty, [KS, BLOCK_K, D], kv_layout)
     v_bufs = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_K, D], kv_layout)
-    # ready: K of stage s, V of stage s (STAGES + s), Q (2 * STAGES); each completes on one
-    # noinc cp.async arrival per producer thread. empty: one arrival per consumer per stage.
-    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 1, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # ready: K buffer s (s < KS), V buffer s (KS + s), Q (KS + STAGES); each completes on one
+    # noinc cp.async arrival per producer thread. empty: K and V buffers, indexed alike; one
+    # arrival per consumer.
+    ready = gl.allocate_shared_memory(gl.int64, [KS + STAGES + 1, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [KS + STAGES, 1], mbarrier.MBarrierLayout())
     # turn.index(h): consumer h may issue its next products (_consumer)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2 * STAGES + 1):
+    for i in gl.static_range(KS + STAGES + 1):
         mbarrier.init(ready.index(i), count=32 * PRODUCER_WARPS)
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(KS + STAGES):
         mbarrier.init(empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
