@@ -180,9 +180,9 @@ def forward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: 
 SM90_FORWARD_PAIRS, SM90_FORWARD_BLOCK_K, SM90_FORWARD_STAGES, SM90_FORWARD_WARPS = 128, 64, 2, 4
 SM90_FORWARD_SHARED = 229752
 # The Hopper backward (backward_sm90.py): its union chunk and the shared memory
-# of its sm_90a compile (Q, dO, one K/V stage, P, dS, barriers; triton 3.6).
+# of its sm_90a compile (Q, dO, one K/V stage, P, dS, barriers; triton 3.6's and 3.9's alike).
 SM90_BACKWARD_BLOCK_K = 64
-SM90_BACKWARD_SHARED = 229944
+SM90_BACKWARD_SHARED = 229952
 
 
 def _copies_aligned(*operands: Operand) -> bool:

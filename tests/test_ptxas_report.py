@@ -60,20 +60,27 @@ def _report(tmp_path, kernels):
 def test_the_hopper_forward_compiles_and_reports(tmp_path):
     """The tuned Hopper forward compiled for sm_90a with the installed triton and its ptxas:
     the report names its registers (within sm_90's 255), its wgmma and its shared memory
-    (two 64-ID K/V stages and Q: ~193 KiB)."""
+    (Q, three 64-ID K and two V buffers: ~224 KiB), which the launcher's constant states (the
+    dispatch reads it)."""
+    from qsa_triton import launch as spec
+
     report, stdout = _report(tmp_path, ["forward"])
     got = report["forward"]
     assert 0 < got["registers"] <= 255 and got["wgmma"] > 0, got
-    assert 190_000 < got["shared_bytes"] <= 232_448, got
+    assert 225_000 < got["shared_bytes"] <= 232_448, got
+    assert got["shared_bytes"] == spec.SM90_FORWARD_SHARED, (got, spec.SM90_FORWARD_SHARED)
     assert "forward" in stdout and "registers" in stdout
 
 
 def test_the_hopper_backward_fits_shared_memory(tmp_path):
     """Both modes of the tuned Hopper backward: shared memory within sm_90's 227 KiB per
     block (Q, dO, one K/V stage, P and dS: ~224 KiB; a gradient block's layout conversion
-    through shared memory instead of shuffles would not fit)."""
+    through shared memory instead of shuffles would not fit), as the launcher's constant states."""
+    from qsa_triton import launch as spec
+
     report, _ = _report(tmp_path, ["backward", "backward-deterministic"])
     for name in ("backward", "backward-deterministic"):
         got = report[name]
         assert 220_000 < got["shared_bytes"] <= 232_448, (name, got)
+        assert got["shared_bytes"] == spec.SM90_BACKWARD_SHARED, (name, got, spec.SM90_BACKWARD_SHARED)
         assert 0 < got["registers"] <= 255 and got["wgmma"] > 0, (name, got)
