@@ -175,8 +175,9 @@ def forward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_shape: 
         plan.blocks.num_warps, attempt.stages)
 
 
-# The Hopper forward (forward_sm90.py): its fixed tiling, and the shared memory of its
-# sm_90a compile (Q, three K and two V buffers, barriers; triton 3.6's and 3.9's alike).
+# The Hopper forward (forward_sm90.py): its fixed tiling (STAGES: V buffers; K has one
+# more), and the shared memory of its sm_90a compile (Q, three K and two V buffers,
+# barriers; triton 3.6's and 3.9's alike).
 SM90_FORWARD_PAIRS, SM90_FORWARD_BLOCK_K, SM90_FORWARD_STAGES, SM90_FORWARD_WARPS = 128, 64, 2, 4
 SM90_FORWARD_SHARED = 229752
 # The Hopper backward (backward_sm90.py): its union chunk and the shared memory
