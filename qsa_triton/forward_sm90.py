@@ -83,7 +83,8 @@ def _chunk_ids(UNION, base, start, count, rows):
 @gluon.jit
 def _producer(Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
               tile, S_q, G, q_base, sq_s, sq_h, kv_base_k, kv_base_v, sk_s, sv_s, union_base, count,
-              PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+              PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              KS: gl.constexpr):
     # [rows, D] pointer tiles: 8 lanes of 16 bytes per thread per row, one warp per row
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
@@ -92,7 +93,6 @@ def _producer(Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
     q_ptr = Q + gl.expand_dims(q_base + row64 * sq_s + head * sq_h, 1) + gl.expand_dims(cols, 0)
     q_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < D, 0)
     _gather_to_shared(q_smem, q_ptr, q_mask)
-    KS: gl.constexpr = STAGES + 1
     async_copy.mbarrier_arrive(ready.index(KS + STAGES), increment_count=False)
     rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, blk))
     n_chunks = gl.cdiv(count, BLOCK_K)
@@ -117,7 +117,7 @@ def _producer(Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
 def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, turn, scale_log2,
               tile, S_q, G, o_base, so_s, so_h, lse_base, sl_h, sl_s, union_base, count,
               PAIRS: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-              HALF: gl.constexpr):
+              KS: gl.constexpr, HALF: gl.constexpr):
     """Matrix rows [HALF * 64, HALF * 64 + 64) of the program, on one warpgroup.
 
     The two consumers take turns issuing their products (FlashAttention-3's ping-pong
@@ -143,7 +143,6 @@ def _consumer(ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, turn, scale
     zero_s = gl.zeros([ROWS, BLOCK_K], gl.float32, layout=s_layout)
     mine = turn.index(HALF)
     other = turn.index(1 - HALF)
-    KS: gl.constexpr = STAGES + 1
     mbarrier.wait(ready.index(KS + STAGES), 0)
     n_chunks = gl.cdiv(count, BLOCK_K)
     # turn 0: chunk 0's scores (without chunks the product reads a buffer nobody filled and
@@ -261,10 +260,10 @@ def qsa_forward_sm90_kernel(
 
     gl.warp_specialize([
         (_consumer, (ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, turn, scale_log2, tile, S_q, G, o_base,
-                     so_s, so_h, lse_base, sl_h, sl_s, union_base, count, PAIRS, D, BLOCK_K, STAGES, 0)),
+                     so_s, so_h, lse_base, sl_h, sl_s, union_base, count, PAIRS, D, BLOCK_K, STAGES, KS, 0)),
         (_consumer, (ROWBITS, O, LSE, q_smem, k_bufs, v_bufs, ready, empty, turn, scale_log2, tile, S_q, G, o_base,
-                     so_s, so_h, lse_base, sl_h, sl_s, union_base, count, PAIRS, D, BLOCK_K, STAGES, 1)),
+                     so_s, so_h, lse_base, sl_h, sl_s, union_base, count, PAIRS, D, BLOCK_K, STAGES, KS, 1)),
         (_producer, (Q, K, V, UNION, q_smem, k_bufs, v_bufs, ready, empty,
                      tile, S_q, G, q_base, sq_s, sq_h, kv_base_k, kv_base_v, sk_s, sv_s, union_base, count,
-                     PAIRS, D, BLOCK_K, STAGES)),
+                     PAIRS, D, BLOCK_K, STAGES, KS)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

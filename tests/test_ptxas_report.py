@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from qsa_triton import launch as spec
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "ptxas_report.py")
 
@@ -62,8 +64,6 @@ def test_the_hopper_forward_compiles_and_reports(tmp_path):
     the report names its registers (within sm_90's 255), its wgmma and its shared memory
     (Q, three 64-ID K and two V buffers: ~224 KiB), which the launcher's constant states (the
     dispatch reads it)."""
-    from qsa_triton import launch as spec
-
     report, stdout = _report(tmp_path, ["forward"])
     got = report["forward"]
     assert 0 < got["registers"] <= 255 and got["wgmma"] > 0, got
@@ -76,8 +76,6 @@ def test_the_hopper_backward_fits_shared_memory(tmp_path):
     """Both modes of the tuned Hopper backward: shared memory within sm_90's 227 KiB per
     block (Q, dO, one K/V stage, P and dS: ~224 KiB; a gradient block's layout conversion
     through shared memory instead of shuffles would not fit), as the launcher's constant states."""
-    from qsa_triton import launch as spec
-
     report, _ = _report(tmp_path, ["backward", "backward-deterministic"])
     for name in ("backward", "backward-deterministic"):
         got = report[name]
