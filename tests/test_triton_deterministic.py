@@ -495,7 +495,8 @@ def test_gpu_fixed_point_bitwise_over_three_runs():
 @pytest.mark.gpu
 def test_gpu_fixed_point_jax_equals_torch_bitwise():
     """The same problem through ``qsa_jax``'s triton implementation (jax-triton) with
-    ``deterministic=True``: the same bits three times, and torch's bits."""
+    ``deterministic=True``: the forward output has torch's bits, and the gradients the same
+    bits three times, and torch's bits (each failure says how many elements differ)."""
     from qsa_jax import _triton_call
 
     try:  # through qsa_jax's loader, which keeps Triton's cache directory (a plain import empties it)
@@ -507,9 +508,21 @@ def test_gpu_fixed_point_jax_equals_torch_bitwise():
 
     from qsa_jax import triton_qsa as jt
 
-    problem, (q, k, v, do, _), torch_runs = _gpu_problem()
+    problem, (q, k, v, do, routes), torch_runs = _gpu_problem()
     jq, jk, jv, jdo = (jnp.asarray(x.float().cpu().numpy()).astype(jnp.bfloat16) for x in (q, k, v, do))
     jroutes = jnp.asarray(problem.routes.astype(np.int32))
+
+    def bits(x):
+        return x.cpu().view(torch.int16).numpy().view(np.uint16)
+
+    def differing(name, a, b):
+        return f"{name}: {int(np.sum(a != b))} of {a.size} elements differ"
+
+    with torch.no_grad():
+        torch_out = bits(triton_qsa.triton_sparse_gqa_attention(q, k, v, routes, 1 / 16))
+    jax_out = np.asarray(jax.jit(lambda a, b, c: jt.triton_sparse_gqa_attention(a, b, c, jroutes, 1 / 16))(
+        jq, jk, jv)).view(np.uint16)
+    assert np.array_equal(jax_out, torch_out), differing("forward output, JAX against torch", jax_out, torch_out)
 
     def loss(a, b, c):
         out = jt.triton_sparse_gqa_attention(a, b, c, jroutes, 1 / 16, deterministic=True)
@@ -517,7 +530,8 @@ def test_gpu_fixed_point_jax_equals_torch_bitwise():
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     runs = [[np.asarray(x).view(np.uint16) for x in grad(jq, jk, jv)] for _ in range(3)]
-    for run in runs[1:]:
-        assert all(np.array_equal(a, b) for a, b in zip(run, runs[0]))
+    for i, run in enumerate(runs[1:], start=2):
+        for name, a, b in zip(("dq", "dk", "dv"), run, runs[0]):
+            assert np.array_equal(a, b), differing(f"{name}, JAX run {i} against run 1", a, b)
     for name, a, b in zip(("dq", "dk", "dv"), runs[0], torch_runs[0]):
-        assert np.array_equal(a, b.cpu().view(torch.int16).numpy().view(np.uint16)), name
+        assert np.array_equal(a, bits(b)), differing(f"{name}, JAX against torch", a, bits(b))
