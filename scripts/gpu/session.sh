@@ -22,6 +22,7 @@
 #   the Hopper backward against backward.py (carry .whl):  bash scripts/gpu/session.sh sm90bwd
 #   both Hopper kernels against forward.py / backward.py (carry .whl): bash scripts/gpu/session.sh sm90next, then sm90check
 #   a kernel change's whole check and timing in one call (carry .whl): bash scripts/gpu/session.sh adopt
+#   torch against JAX bit for bit where the Hopper kernels run (carry .whl): bash scripts/gpu/session.sh bitwise
 #   this tree's Hopper kernels beside another commit's (git worktree add --detach .base REF; carry .base .whl):
 #                                                          bash scripts/gpu/session.sh sm90ab
 #
@@ -30,12 +31,15 @@
 # only packages the upstream layer and the JAX triton path need beyond the host's image.
 # Timing steps run alone on the GPU; correctness steps run side by side (their times are
 # not quoted). Every step has a
-# time limit, logs to $OUT/<phase>/<step>.log, and the phase ends packed in $OUT/<phase>.tgz.
+# time limit and logs to <phase>/<step>.log in a scratch directory; $OUT/<phase>.tgz is
+# repacked after every step, so a call cut short still brings back every finished step in
+# one file (the device returns only a few files per call).
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, sweep, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, adopt or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, sweep, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, adopt, bitwise or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
-R=$OUT/$phase
+scratch=$(mktemp -d)
+R=$scratch/$phase
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 [ -d .gpu ] && bash .gpu/install.sh > "$R/install.log" 2>&1
@@ -46,7 +50,10 @@ if [ -d .whl ] && [ ! -d /tmp/qsa-extra ]; then
 fi
 export PYTHONPATH=$root:/tmp/qsa-extra${PYTHONPATH:+:$PYTHONPATH}
 T0=$(date +%s)
-stamp() { echo "$1 rc=$2 at $(( $(date +%s) - T0 ))s" >> "$R/steps.log"; }
+# $OUT/<phase>.tgz from what the phase has written so far (written aside, then renamed: steps
+# running side by side stamp concurrently)
+pack() { local part; part=$(mktemp "$OUT/.$phase.XXXXXX") && tar czf "$part" -C "$scratch" "$phase" && mv -f "$part" "$OUT/$phase.tgz"; }
+stamp() { echo "$1 rc=$2 at $(( $(date +%s) - T0 ))s" >> "$R/steps.log"; pack; }
 alone() { local name=$1 limit=$2; shift 2; timeout "$limit" "$@" > "$R/$name.log" 2>&1; stamp "$name" $?; }
 beside() { local name=$1 limit=$2; shift 2; ( timeout "$limit" "$@" > "$R/$name.log" 2>&1; stamp "$name" $? ) & }
 # compute-sanitizer memcheck of the three probes (torch Triton, the deterministic backward, JAX
@@ -265,6 +272,13 @@ sm90bwd)
     python3 scripts/gpu/check_triton.py --sanitizer-probe
   wait
   ;;
+bitwise)
+  # torch against JAX where both launch the Hopper kernels: the deterministic GPU tests (the
+  # forward output, then each gradient, with the count of differing elements on failure),
+  # then check_jax_triton.py (forward and default backward, three layouts, both head configs)
+  alone det_tests 240 python3 -m pytest -q -rA -p no:cacheprovider tests/test_triton_deterministic.py -k gpu_fixed_point
+  alone jax_triton 200 python3 scripts/gpu/check_jax_triton.py --out "$R/jax_triton" --budget-s 170
+  ;;
 recheck)
   # after fixes to what the three calls above found: the pieces that changed, in one call
   alone bench 130 python3 -m parity.bench --heads 24:2 --seq-lens 131072 --overlaps 0.8 \
@@ -283,4 +297,4 @@ recheck)
   ;;
 esac
 stamp done 0
-cd "$OUT" && tar czf "$phase.tgz" "$phase" && rm -rf "$phase"
+rm -rf "$scratch"
