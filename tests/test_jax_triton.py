@@ -496,6 +496,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 from qsa_triton import DEFAULT_BLOCK_SIZES, make_plan
 from qsa_triton import launch as spec
 from qsa_triton.plan import union_recipe
@@ -509,7 +510,13 @@ LAUNCHES = {
     "forward": spec.forward_launch(plan, q, kv, kv, unions, 0.0625, "bfloat16", interpreted=False),
     "backward (deterministic)": spec.backward_launch(plan, q, kv, kv, q, q, unions, 0.0625, "bfloat16",
                                                    interpreted=False, deterministic=True),
+    # the Hopper kernels (Gluon), which both launchers take on sm_90
+    "forward_sm90": spec.forward_sm90_launch(plan, q, kv, kv, unions, 0.0625, "bfloat16"),
+    "backward_sm90": spec.backward_sm90_launch(plan, q, kv, kv, q, q, unions, 0.0625, "bfloat16"),
+    "backward_sm90 (deterministic)": spec.backward_sm90_launch(plan, q, kv, kv, q, q, unions, 0.0625, "bfloat16",
+                                                               deterministic=True),
 }
+assert all(launch is not None for launch in LAUNCHES.values()), LAUNCHES
 
 
 def compile_ptx(launch, jax_triton):
@@ -518,8 +525,9 @@ def compile_ptx(launch, jax_triton):
     fn = spec.kernel(launch.kernel)
     sig, constexprs, attrs = spec.compile_signature(launch, spec.attention_input_dtypes(launch, "bfloat16"),
                                                     integers_constant=jax_triton)
-    kernel = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
+    source = (GluonASTSource(fn, sig, constexprs, attrs) if launch.kernel.endswith("_sm90")
+              else ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs))
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
     return kernel.asm["ptx"], kernel.asm["ttgir"]
 
@@ -556,11 +564,11 @@ for name, launch in LAUNCHES.items():
     assert any("wgmma" in op for op in torch_ops), (name, torch_ops[:20])
     ir = float_ir(torch_ir)
     assert any("warp_group_dot" in op for op in ir) and ir == float_ir(jax_ir), name
-    if name == "forward":  # the same instructions in the same order
+    if name.startswith("forward"):  # the same instructions in the same order
         assert torch_ops == jax_ops, (name, len(torch_ops), len(jax_ops))
     else:  # ptxas schedules independent instructions apart; the same ones
         assert sorted(torch_ops) == sorted(jax_ops), (name, len(torch_ops), len(jax_ops))
-    if name == "backward (deterministic)":
+    if name.endswith("(deterministic)"):
         for ptx in (torch_ptx, jax_ptx):  # int64 fixed point, rounded to nearest; no fp32 atomics
             assert "cvt.rni.s64.f32" in ptx and re.search(r"(red|atom)\.global\.gpu\.relaxed\.add\.u64", ptx)
             assert not re.search(r"(red|atom)[.\w]*\.f32", ptx)
@@ -569,7 +577,8 @@ for name, launch in LAUNCHES.items():
 
 
 def test_kernels_compile_to_the_same_float_instructions_for_both_launchers():
-    """The tuned forward and the deterministic backward (sm_90a, D=256, bf16) compiled as
+    """The tuned forward and the deterministic backward (sm_90a, D=256, bf16), and the Hopper
+    (Gluon) forward and backward in both modes, compiled as
     torch's JIT specialises them and as jax-triton does (integers as constants): the same
     floating-point ops with the same layouts in the TTGIR, and the same floating-point
     PTX instructions (in the same order for the forward; the backward's prologue is
@@ -585,7 +594,7 @@ def test_kernels_compile_to_the_same_float_instructions_for_both_launchers():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower()):
         pytest.skip(f"Triton cannot compile for sm_90a here: {proc.stderr[-300:]}")
-    assert proc.returncode == 0 and proc.stdout.count("SAME") == 2, proc.stderr[-3000:]
+    assert proc.returncode == 0 and proc.stdout.count("SAME") == 5, proc.stderr[-3000:]
 
 
 _GLUON_COMPILE_CHECK = """
