@@ -496,7 +496,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 from qsa_triton import DEFAULT_BLOCK_SIZES, make_plan
 from qsa_triton import launch as spec
 from qsa_triton.plan import union_recipe
@@ -525,7 +525,8 @@ def compile_ptx(launch, jax_triton):
     fn = spec.kernel(launch.kernel)
     sig, constexprs, attrs = spec.compile_signature(launch, spec.attention_input_dtypes(launch, "bfloat16"),
                                                     integers_constant=jax_triton)
-    source = (GluonASTSource(fn, sig, constexprs, attrs) if launch.kernel.endswith("_sm90")
+    # a Gluon kernel from Gluon's source, as qsa_jax's install_gluon_compile tells them apart
+    source = (GluonASTSource(fn, sig, constexprs, attrs) if isinstance(fn, GluonJITFunction)
               else ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs))
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
