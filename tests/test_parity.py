@@ -201,7 +201,7 @@ def test_layers_section_reports_passes_failures_and_a_missing_upstream(tmp_path,
     case = report["cases"][0]
     assert case["routes"]["unexplained"] == 0 and case["routes"]["rows"] == 64 + 37
     markdown = (tmp_path / "layers.md").read_text()
-    assert "| case | rows | identical | ties | unexplained |" in markdown and "PASS" in markdown
+    assert "| case | rows | identical | ties | rounding | unexplained |" in markdown and "PASS" in markdown
     assert "small/padded/float32/noise/S=64" in capsys.readouterr().out
 
     monkeypatch.setattr(layers, "run_case", lambda case, seed, **kw: {

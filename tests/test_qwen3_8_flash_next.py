@@ -347,8 +347,9 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_port_matches_the_upstream_layer(name):
-    """Route sets agree except at exact upstream ties; on upstream's routes the output, dx and
-    every trainable gradient agree at the contract's tolerance; padding rows are exact zeros."""
+    """Route sets agree except at exact upstream ties or where rounding of the two sides'
+    indexer inputs explains the difference; on upstream's routes the output, dx and every
+    trainable gradient agree at the contract's tolerance; padding rows are exact zeros."""
     upstream()
     from parity.layers import LayerCase, run_case
 
@@ -357,9 +358,11 @@ def test_port_matches_the_upstream_layer(name):
     assert "error" not in record, record.get("error")
     routes = record["routes"]
     assert routes["unexplained"] == 0, routes["failures"]
-    assert routes["identical"] + routes["tie_explained"] == routes["rows"] > 0
+    assert routes["identical"] + routes["tie_explained"] + routes["rounding_explained"] == routes["rows"] > 0
     for example in routes["examples"]:
         assert example["tie"] and all(v == example["cut"] for v in example["swapped_scores"].values())
+    for example in routes["rounding_examples"]:
+        assert example["rounding"] and example["input_ulps"] <= 1, example
     forced = record["forced"]
     assert set(forced["errors"]) == {"out", "dx", "q_proj.weight", "k_proj.weight", "v_proj.weight",
                                      "o_proj.weight", "q_norm.weight", "k_norm.weight"}
@@ -420,53 +423,70 @@ def test_score_bound_covers_float32_evaluations_in_any_order():
         assert beta <= 2**-16 * magnitude + 4 * u * abs(exact), (seed, beta, magnitude)
 
 
-def test_near_tie_marking_tells_float32_swaps_from_real_differences():
-    """A swap at the cut between blocks with equal exact scores (identical keys) whose
-    upstream float32 scores differ by a few ulps is marked a near tie; a swap with a clear
-    score gap is not, nor one where upstream's score is not a float32 evaluation of the
-    port's inputs. Marking never changes what counts as unexplained."""
-    from parity.layers import _explain, mark_near_ties, score_with_bound
+def test_rounding_explanation_tells_rounded_inputs_from_real_differences():
+    """A swap at the cut between blocks whose keys differ, on one side, by one bf16 ulp in
+    one element (and are equal on the other) is explained by rounding; a swap to a block
+    with a clear score gap is not, nor one whose inputs differ by two ulps, nor one whose
+    ranked scores are not float32 evaluations of the side's inputs."""
+    from parity.layers import _explain, explain_by_rounding, score_with_bound, settle_by_rounding
 
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     heads, dim, t = 4, 128, 25
     query = np.zeros((1, t + 1, heads, dim), np.float32)
-    query[0, t] = _bf16(np.abs(rng.standard_normal((heads, dim))))
-    keys = _bf16(np.abs(rng.standard_normal((1, 6, dim))))
-    keys[0, 3] = keys[0, 1]  # blocks 1 and 3: the same exact score
+    query[0, t] = _bf16(np.abs(rng.standard_normal((heads, dim))) + 0.1)
+    keys = _bf16(np.abs(rng.standard_normal((1, 6, dim))) + 0.1)
     keys[0, 2] *= 0.5  # block 2: clearly lower
+    j = int(rng.integers(dim))
+    keys[0, 1, j] = 1.5  # bf16's ulp there: 2**-7
     keys[0, 0] = keys[0, 4] = keys[0, 1] * 2  # blocks 0 and 4, kept by both: far above the cut
-    exact = np.array([score_with_bound(query[0, t], keys[0, n])[0] for n in range(6)])
+    keys[0, 3] = keys[0, 1]
+    keys[0, 3, j] = 1.5 + 2.0**-7  # one bf16 ulp up: on the port's inputs block 3 wins
+
+    up_keys = keys[0].copy()
+    up_keys[3] = keys[0, 1]  # upstream rounded block 3's element down: blocks 1 and 3 equal there
+
+    def scores_of(q, k):
+        return np.array([score_with_bound(q, k[n])[0] for n in range(len(k))]).astype(np.float32).astype(np.float64)
+
+    up_scores = scores_of(query[0, t], up_keys)
+    up_scores[3] = np.nextafter(np.float32(up_scores[1]), np.float32(0))  # upstream's topk: 1 above 3
+    port_scores = scores_of(query[0, t], keys[0])
     up = {i for b in (0, 1, 4) for i in range(4 * b, 4 * b + 4)} | {24, 25}
     swap = {i for b in (0, 3, 4) for i in range(4 * b, 4 * b + 4)} | {24, 25}
     wrong = {i for b in (0, 2, 4) for i in range(4 * b, 4 * b + 4)} | {24, 25}
 
-    def marked(mine, scores):
-        entry = {"row": [0, t], **_explain(up, mine, 0, t, 4, scores)}
+    def explained(mine, upstream_keys=up_keys, upstream_scores=up_scores, ranked_scores=port_scores):
+        entry = {"row": [0, t], **_explain(up, mine, 0, t, 4, upstream_scores)}
         assert not entry["tie"]
-        return mark_near_ties([entry, {"row": [0, 3], "reason": "a padding row has routes"}], query, keys, 4, 4,
-                              None), entry
+        padding = {"row": [0, 3], "reason": "a padding row has routes"}
+        count = explain_by_rounding([entry, padding], (query, keys), {(0, t): (query[0, t], upstream_keys)}, 4, 4,
+                                    None, "bfloat16", {(0, t): ranked_scores.astype(np.float32)})
+        assert count == int(entry["rounding"]) and "rounding" not in padding
+        return entry
 
-    scores = exact.astype(np.float32).astype(np.float64)
-    scores[3] = scores[1] - 2 * float(np.spacing(np.float32(exact[1])))  # upstream ranked 3 just below 1
-    count, entry = marked(swap, scores)
-    assert count == 1 and entry["near_tie"], (seed, entry)
-    assert entry["exact_scores"][1] == entry["exact_scores"][3] and entry["beta"][1] > 0
-    count, entry = marked(wrong, scores)
-    assert count == 0 and not entry["near_tie"], (seed, entry)
-    scores[3] = exact[3] * (1 - 1e-3)  # beyond any float32 evaluation of these inputs
-    count, entry = marked(swap, scores)
-    assert count == 0 and not entry["near_tie"], (seed, entry)
+    entry = explained(swap)
+    assert entry["rounding"] and entry["input_ulps"] == 1 and entry["port_inputs_same"], (seed, entry)
+    assert entry["upstream_exact_scores"][1] == entry["upstream_exact_scores"][3], (seed, entry)
+    assert entry["exact_scores"][3] > entry["exact_scores"][1], (seed, entry)
+    summary = {"rounding_explained": 0, "unexplained": 2, "rounding_rows": [], "rounding_examples": [],
+               "failures": [{"reason": "a padding row has routes"}, entry]}
+    settle_by_rounding(summary, [entry])
+    assert summary["unexplained"] == 1 and summary["rounding_rows"] == [[0, t]]
+    assert summary["failures"] == [{"reason": "a padding row has routes"}]
 
-    # the port's ranked scores: the same inputs (within beta of the exact ones), or not
-    scores[3] = scores[1] - 2 * float(np.spacing(np.float32(exact[1])))
-    entry = {"row": [0, t], **_explain(up, swap, 0, t, 4, scores)}
-    ranked = {(0, t): exact.astype(np.float32)}
-    assert mark_near_ties([entry], query, keys, 4, 4, None, ranked) == 1 and entry["port_inputs_same"], seed
-    entry = {"row": [0, t], **_explain(up, swap, 0, t, 4, scores)}
-    ranked[(0, t)] = ranked[(0, t)] * np.float32(1 + 1e-3)
-    assert mark_near_ties([entry], query, keys, 4, 4, None, ranked) == 0 and not entry["port_inputs_same"], seed
-    assert "its bf16 projections rounded differently" in entry["reason"]
+    entry = explained(wrong)
+    assert not entry["rounding"] and "not the port's choice is right" in entry["reason"], (seed, entry)
+    two = up_keys.copy()
+    two[3, j] = 1.5 - 2.0**-7  # two ulps below the port's value
+    entry = explained(swap, upstream_keys=two)
+    assert not entry["rounding"] and entry["input_ulps"] >= 2, (seed, entry)
+    off = up_scores.copy()
+    off[1] *= 1 + 1e-3  # no float32 evaluation of upstream's inputs
+    entry = explained(swap, upstream_scores=off)
+    assert not entry["rounding"] and "not upstream's ranked scores" in entry["reason"], (seed, entry)
+    entry = explained(swap, ranked_scores=port_scores * (1 + 1e-3))
+    assert not entry["rounding"] and not entry["port_inputs_same"], (seed, entry)
 
 
 def test_parity_flags_a_wrong_port(monkeypatch):

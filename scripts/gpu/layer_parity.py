@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         last = (case.seq_len, time.time() - t0)
         records.append(record)
         log(f"  {'PASS' if record['pass'] else 'FAIL'} in {last[1]:.0f} s",
-            {k: record["routes"][k] for k in ("rows", "identical", "tie_explained", "unexplained")}
+            {k: record["routes"][k] for k in ("rows", "identical", "tie_explained", "rounding_explained", "unexplained")}
             if "routes" in record else record.get("error"))
         write(args.out, command, env, records, notes)
     write(args.out, command, env, records, notes)
