@@ -417,3 +417,33 @@ def test_run_step_reads_a_result_and_runs_the_other_checkout_on_its_own_modules(
     failed = gpu_common.run_step(here, ["fail", str(token)], 60)
     assert failed["error"] == "rc=1" and f"broken {token}" in failed["stderr"]
     assert "timed out" in gpu_common.run_step(here, ["hang", "x"], 2)["error"]
+
+
+def test_stress_bitwise_dry_run_and_its_mismatch_report(tmp_path):
+    """scripts/gpu/stress_bitwise.py end to end on CPU (Triton's interpreter, a tiny case):
+    its runs repeat the reference's bits; and a run whose bits differ from the reference in
+    one element is reported with the result's name and the position."""
+    pytest.importorskip("triton")
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "gpu", "stress_bitwise.py")
+    done = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--dry-run"], capture_output=True,
+                          text=True, cwd=root, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    with open(tmp_path / "stress_bitwise.json") as f:
+        (case,) = json.load(f)["cases"]
+    assert case["runs"] == 2 and case["mismatch_count"] == 0
+
+    import torch
+
+    sys.path.insert(0, os.path.join(root, "scripts", "gpu"))
+    import stress_bitwise
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: conftest turned the interpreter on
+    stress = stress_bitwise.Case("packed", (4, 2), 0.8, 64, 1, device, False)
+    stress.reference["det_dk"] = stress.reference["det_dk"].copy()
+    flipped = np.unravel_index(5, stress.reference["det_dk"].shape)
+    stress.reference["det_dk"][flipped] ^= 1
+    stress.check()
+    assert [(m["result"], m["elements"], m["first"]) for m in stress.mismatches] == [("det_dk", 1, [list(flipped)])]

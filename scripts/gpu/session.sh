@@ -23,6 +23,7 @@
 #   both Hopper kernels against forward.py / backward.py (carry .whl): bash scripts/gpu/session.sh sm90next, then sm90check
 #   a kernel change's whole check and timing in one call (carry .whl): bash scripts/gpu/session.sh adopt
 #   torch against JAX bit for bit where the Hopper kernels run (carry .whl): bash scripts/gpu/session.sh bitwise
+#   bitwise repeatability under load, and the Flax layer at S=32768 (carry .whl): bash scripts/gpu/session.sh race
 #   this tree's Hopper kernels beside another commit's (git worktree add --detach .base REF; carry .base .whl):
 #                                                          bash scripts/gpu/session.sh sm90ab
 #
@@ -35,7 +36,7 @@
 # repacked after every step, so a call cut short still brings back every finished step in
 # one file (the device returns only a few files per call).
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, sweep, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, adopt, bitwise or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, sweep, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, adopt, bitwise, race or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 scratch=$(mktemp -d)
@@ -170,7 +171,17 @@ complete)
     --budget 440 --parity-args "--backends triton,jax-triton"
   beside gpu_tests 470 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_backward_sm90.py \
     tests/test_triton_qsa.py tests/test_triton_deterministic.py tests/test_jax_triton.py tests/test_torch_api.py
+  beside stress 470 python3 scripts/gpu/stress_bitwise.py --out "$R/stress" --budget-s 420
   memcheck_all
+  wait
+  ;;
+race)
+  # bitwise repeatability under load: torch and JAX (against torch) each repeating their cases
+  # beside the Flax layer against upstream's at S=32768 (packed, the route check's rounding rule)
+  beside stress_jax 330 python3 scripts/gpu/stress_bitwise.py --out "$R/stress_jax" --jax --budget-s 280
+  beside stress 330 python3 scripts/gpu/stress_bitwise.py --out "$R/stress" --budget-s 280
+  beside layer 330 python3 scripts/gpu/layer_parity.py --out "$R/layer" --seq-lens 32768 --layouts packed \
+    --time-budget 280
   wait
   ;;
 adopt)
