@@ -359,23 +359,29 @@ def port_scores(layer, x, freqs, mask, cu):
 
 
 def port_ranked_scores(layer, x, freqs, mask, cu, rows):
-    """The block scores the port's selection ranks, for ``rows`` (``[(b, t), ...]``).
+    """The block scores the port's selection ranks, and the inputs it scored, for ``rows``
+    (``[(b, t), ...]``).
 
     Runs the port's indexer once more (unsharded, its own jit) with the score callable of
     :func:`qsa_jax.indexer.select_routes` copying each chunk's ``[B, c, N]`` float32 scores
-    to the host (an ordered ``jax.debug.callback`` on the very array ``lax.top_k`` ranks).
-    Returns that run's routes (numpy; equal to the routes under comparison when the
-    callback changed nothing) and ``{(b, t): scores [N]}``.
+    to the host (an ordered ``jax.debug.callback`` on the very array ``lax.top_k`` ranks),
+    and ``select_routes`` itself copying the index queries of ``rows`` and the compressed
+    keys it was given (the values the jitted projections produced: an eager rerun of the
+    projections may round differently). Returns that run's routes (numpy; equal to the
+    routes under comparison when the callbacks changed nothing), ``{(b, t): scores [N]}``
+    and the inputs ``({(b, t): query [H, D]}, keys [B, N, D], block step)`` (float32 numpy).
     """
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     from qsa_jax.qwen3_8_flash_next import indexer as port_indexer
 
+    rows = [(int(b), int(t)) for b, t in rows]
     wanted: dict = {}
     for b, t in rows:
-        wanted.setdefault(int(t), []).append(int(b))
-    kept, done = {}, [0]
+        wanted.setdefault(t, []).append(b)
+    kept, done, inputs = {}, [0], {}
 
     def keep(total):
         total = np.asarray(total)
@@ -384,10 +390,14 @@ def port_ranked_scores(layer, x, freqs, mask, cu, rows):
                 kept[(b, done[0] + i)] = total[b, i].copy()
         done[0] += total.shape[1]
 
-    real = port_indexer._head_sum_score
+    def keep_inputs(query_rows, keys):
+        inputs["queries"] = {(b, t): np.asarray(query_rows[b, i]).copy() for i, (b, t) in enumerate(rows)}
+        inputs["keys"] = np.asarray(keys).copy()
+
+    real_score, real_select = port_indexer._head_sum_score, port_indexer.select_routes
 
     def recording(dim):
-        score = real(dim)
+        score = real_score(dim)
 
         def ranked(relu_dots):
             total = score(relu_dots)
@@ -396,13 +406,19 @@ def port_ranked_scores(layer, x, freqs, mask, cu, rows):
 
         return ranked
 
-    port_indexer._head_sum_score = recording
+    def selecting(query, keys, *args, **kwargs):  # query [B, S, H, D], keys [B, N, D], float32
+        picked = jnp.take(query, jnp.asarray([t for _, t in rows], jnp.int32), axis=1)  # [B, len(rows), H, D]
+        jax.debug.callback(keep_inputs, picked, keys, ordered=True)
+        return real_select(query, keys, *args, **kwargs)
+
+    port_indexer._head_sum_score, port_indexer.select_routes = recording, selecting
     try:
         step = nnx.jit(lambda m, a, f, k, c: m.indexer(a, freqs_cis=f, attention_mask=k, cu_seqlens=c))
         routes = np.asarray(step(layer, *_port_arrays(x, freqs, mask, cu)))
     finally:
-        port_indexer._head_sum_score = real
-    return routes, kept
+        port_indexer._head_sum_score, port_indexer.select_routes = real_score, real_select
+    block_step = 1 if cu is not None else layer.config.indexer_compress_ratio
+    return routes, kept, (inputs["queries"], inputs["keys"], block_step)
 
 
 def _port_arrays(x, freqs, mask, cu):
@@ -595,12 +611,15 @@ def run_case(case: LayerCase, seed: int, *, implementation=None, device: str = "
         up_inputs = {}
         for call in calls:
             up_inputs.update(inputs_by_row(call))
-        query, keys, step = port_score_inputs(port, x_np, freqs_np, mask, cu)
         ranked = None
-        if mesh is None:
-            again, ranked = port_ranked_scores(port, x_np, freqs_np, mask, cu, [e["row"] for e in unexplained])
+        if mesh is None:  # the inputs the port's jitted selection ranked, and its scores
+            again, ranked, (queries, keys, step) = port_ranked_scores(
+                port, x_np, freqs_np, mask, cu, [e["row"] for e in unexplained])
             agreement["ranked_scores_routes_equal"] = bool((again == own).all())
-        explain_by_rounding(unexplained, (query, keys), up_inputs, step, port.config.indexer_compress_ratio, cu,
+        else:  # sharded: the unsharded projections' values (a diagnostic, no ranked scores)
+            query, keys, step = port_score_inputs(port, x_np, freqs_np, mask, cu)
+            queries = {tuple(e["row"]): query[e["row"][0], e["row"][1]] for e in unexplained}
+        explain_by_rounding(unexplained, (queries, keys), up_inputs, step, port.config.indexer_compress_ratio, cu,
                             case.dtype, ranked)
         settle_by_rounding(agreement, unexplained)
     for entry in agreement["examples"] + agreement["rounding_examples"] + agreement["failures"]:
@@ -633,8 +652,8 @@ def explain_by_rounding(entries: list, port_inputs, upstream_inputs: dict, step:
     value lies near a rounding midpoint of the model dtype may round to neighbouring
     values on the two sides. An entry (an :func:`_explain` verdict with swapped scores)
     gets, per swapped block, ``exact_scores`` / ``beta`` from the port's inputs
-    (``port_inputs`` = ``(query [B, S, H, D], keys [B, N, D])`` of
-    :func:`port_score_inputs`) and ``upstream_exact_scores`` / ``upstream_beta`` from
+    (``port_inputs`` = ``({(b, t): query [H, D]}, keys [B, N, D])``, those
+    :func:`port_ranked_scores` captured, or :func:`port_score_inputs`'s) and ``upstream_exact_scores`` / ``upstream_beta`` from
     upstream's (``upstream_inputs``: :func:`inputs_by_row`), both by
     :func:`score_with_bound`; ``input_ulps``: the largest difference between the two
     sides' query row and swapped keys, in units in the last place of ``dtype``. It is
@@ -649,7 +668,7 @@ def explain_by_rounding(entries: list, port_inputs, upstream_inputs: dict, step:
       ``e_a + beta_a + beta_p >= e_p`` on upstream's inputs and the reverse on the port's;
     * ``input_ulps <= 1``: the inputs are the same up to one rounding.
     """
-    query, keys = port_inputs
+    queries, keys = port_inputs
     explained = 0
     for entry in entries:
         if "swapped_scores" not in entry:
@@ -659,7 +678,7 @@ def explain_by_rounding(entries: list, port_inputs, upstream_inputs: dict, step:
         up_key = (b, t) if cu is None else (int(np.searchsorted(cu, t, side="right") - 1), t - start)
         blocks = [int(k) for k in entry["swapped_scores"]]
         column = {k: (start + ratio * k) // step for k in blocks}
-        port = {k: score_with_bound(query[b, t], keys[b, c]) for k, c in column.items()}
+        port = {k: score_with_bound(queries[(b, t)], keys[b, c]) for k, c in column.items()}
         entry["exact_scores"] = {k: e for k, (e, _) in port.items()}
         entry["beta"] = {k: beta for k, (_, beta) in port.items()}
         checks = {}
@@ -676,7 +695,7 @@ def explain_by_rounding(entries: list, port_inputs, upstream_inputs: dict, step:
         up = {k: score_with_bound(up_query, up_keys[k]) for k in blocks}
         entry["upstream_exact_scores"] = {k: e for k, (e, _) in up.items()}
         entry["upstream_beta"] = {k: beta for k, (_, beta) in up.items()}
-        entry["input_ulps"] = max(_ulps(query[b, t], up_query, dtype),
+        entry["input_ulps"] = max(_ulps(queries[(b, t)], up_query, dtype),
                                   max(_ulps(keys[b, column[k]], up_keys[k], dtype) for k in blocks))
         checks["upstream's ranked scores are float32 evaluations of its inputs"] = all(
             abs(entry["swapped_scores"][k] - e) <= beta for k, (e, beta) in up.items())

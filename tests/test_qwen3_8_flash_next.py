@@ -111,7 +111,7 @@ def test_selection_keeps_a_true_top_k_in_the_qsa_format(layout, chunk):
     import jax.numpy as jnp
     from flax import nnx
 
-    from parity.layers import port_ranked_scores, port_scores
+    from parity.layers import port_ranked_scores, port_scores, score_with_bound
     from qsa_jax.qwen3_8_flash_next import rotary_freqs
 
     seed = int(np.random.default_rng().integers(2**31))
@@ -131,8 +131,15 @@ def test_selection_keeps_a_true_top_k_in_the_qsa_format(layout, chunk):
     # (per query chunk; the last one padded): the same routes, and they are the true top-k
     # of those scores, which equal the diagnostic re-scoring's to float32 rounding
     wanted = [(b, t) for b, t, _, real in rows if real]
-    again, ranked = port_ranked_scores(layer, x, freqs, mask, cu, wanted)
-    assert (again == routes).all() and set(ranked) == set(wanted), seed
+    again, ranked, (queries, keys, block_step) = port_ranked_scores(layer, x, freqs, mask, cu, wanted)
+    assert (again == routes).all() and set(ranked) == set(wanted) == set(queries), seed
+    # the inputs it copied out are the ones it scored: every ranked score is a float32
+    # evaluation of them (a few rows; all blocks)
+    assert block_step == step and keys.shape == (len(pos), scores.shape[-1], cfg.indexer_head_dim)
+    for b, t in [wanted[i] for i in rng.choice(len(wanted), 4, replace=False)]:
+        for n in range(keys.shape[1]):
+            exact, beta = score_with_bound(queries[(b, t)], keys[b, n])
+            assert abs(ranked[(b, t)][n] - exact) <= beta, (seed, b, t, n)
     copied = np.full(scores.shape, np.nan, np.float32)
     for (b, t), values in ranked.items():
         copied[b, t] = values
@@ -433,8 +440,7 @@ def test_rounding_explanation_tells_rounded_inputs_from_real_differences():
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     heads, dim, t = 4, 128, 25
-    query = np.zeros((1, t + 1, heads, dim), np.float32)
-    query[0, t] = _bf16(np.abs(rng.standard_normal((heads, dim))) + 0.1)
+    query = {(0, t): _bf16(np.abs(rng.standard_normal((heads, dim))) + 0.1)}
     keys = _bf16(np.abs(rng.standard_normal((1, 6, dim))) + 0.1)
     keys[0, 2] *= 0.5  # block 2: clearly lower
     j = int(rng.integers(dim))
@@ -449,9 +455,9 @@ def test_rounding_explanation_tells_rounded_inputs_from_real_differences():
     def scores_of(q, k):
         return np.array([score_with_bound(q, k[n])[0] for n in range(len(k))]).astype(np.float32).astype(np.float64)
 
-    up_scores = scores_of(query[0, t], up_keys)
+    up_scores = scores_of(query[(0, t)], up_keys)
     up_scores[3] = np.nextafter(np.float32(up_scores[1]), np.float32(0))  # upstream's topk: 1 above 3
-    port_scores = scores_of(query[0, t], keys[0])
+    port_scores = scores_of(query[(0, t)], keys[0])
     up = {i for b in (0, 1, 4) for i in range(4 * b, 4 * b + 4)} | {24, 25}
     swap = {i for b in (0, 3, 4) for i in range(4 * b, 4 * b + 4)} | {24, 25}
     wrong = {i for b in (0, 2, 4) for i in range(4 * b, 4 * b + 4)} | {24, 25}
@@ -460,7 +466,7 @@ def test_rounding_explanation_tells_rounded_inputs_from_real_differences():
         entry = {"row": [0, t], **_explain(up, mine, 0, t, 4, upstream_scores)}
         assert not entry["tie"]
         padding = {"row": [0, 3], "reason": "a padding row has routes"}
-        count = explain_by_rounding([entry, padding], (query, keys), {(0, t): (query[0, t], upstream_keys)}, 4, 4,
+        count = explain_by_rounding([entry, padding], (query, keys), {(0, t): (query[(0, t)], upstream_keys)}, 4, 4,
                                     None, "bfloat16", {(0, t): ranked_scores.astype(np.float32)})
         assert count == int(entry["rounding"]) and "rounding" not in padding
         return entry
