@@ -408,7 +408,7 @@ def port_ranked_scores(layer, x, freqs, mask, cu, rows):
 
     def selecting(query, keys, *args, **kwargs):  # query [B, S, H, D], keys [B, N, D], float32
         picked = jnp.take(query, jnp.asarray([t for _, t in rows], jnp.int32), axis=1)  # [B, len(rows), H, D]
-        jax.debug.callback(keep_inputs, picked, keys, ordered=True)
+        jax.debug.callback(keep_inputs, picked, keys)  # once per run: no order to keep
         return real_select(query, keys, *args, **kwargs)
 
     port_indexer._head_sum_score, port_indexer.select_routes = recording, selecting
