@@ -362,7 +362,7 @@ def port_ranked_scores(layer, x, freqs, mask, cu, rows):
     """The block scores the port's selection ranks, and the inputs it scored, for ``rows``
     (``[(b, t), ...]``).
 
-    Runs the port's indexer once more (unsharded, its own jit) with the score callable of
+    Runs the port's indexer once more (unsharded, on one device, its own jit) with the score callable of
     :func:`qsa_jax.indexer.select_routes` copying each chunk's ``[B, c, N]`` float32 scores
     to the host (an ordered ``jax.debug.callback`` on the very array ``lax.top_k`` ranks),
     and ``select_routes`` itself copying the index queries of ``rows`` and the compressed
@@ -411,6 +411,10 @@ def port_ranked_scores(layer, x, freqs, mask, cu, rows):
         jax.debug.callback(keep_inputs, picked, keys)  # once per run: no order to keep
         return real_select(query, keys, *args, **kwargs)
 
+    # one device (a context-parallel case's layer is placed on its mesh): ordered callbacks
+    # run on one device only
+    graph, state = nnx.split(layer)
+    layer = nnx.merge(graph, jax.device_put(state, jax.devices()[0]))
     port_indexer._head_sum_score, port_indexer.select_routes = recording, selecting
     try:
         step = nnx.jit(lambda m, a, f, k, c: m.indexer(a, freqs_cis=f, attention_mask=k, cu_seqlens=c))
@@ -611,14 +615,12 @@ def run_case(case: LayerCase, seed: int, *, implementation=None, device: str = "
         up_inputs = {}
         for call in calls:
             up_inputs.update(inputs_by_row(call))
-        ranked = None
-        if mesh is None:  # the inputs the port's jitted selection ranked, and its scores
-            again, ranked, (queries, keys, step) = port_ranked_scores(
-                port, x_np, freqs_np, mask, cu, [e["row"] for e in unexplained])
-            agreement["ranked_scores_routes_equal"] = bool((again == own).all())
-        else:  # sharded: the unsharded projections' values (a diagnostic, no ranked scores)
-            query, keys, step = port_score_inputs(port, x_np, freqs_np, mask, cu)
-            queries = {tuple(e["row"]): query[e["row"][0], e["row"][1]] for e in unexplained}
+        # the inputs the port's jitted selection ranked, and its scores (unsharded, also for a
+        # context-parallel case); a row counts only where that rerun kept the compared routes
+        again, ranked, (queries, keys, step) = port_ranked_scores(
+            port, x_np, freqs_np, mask, cu, [e["row"] for e in unexplained])
+        agreement["ranked_scores_routes_equal"] = bool((again == own).all())
+        ranked = {row: v for row, v in ranked.items() if (again[row] == own[row]).all()}
         explain_by_rounding(unexplained, (queries, keys), up_inputs, step, port.config.indexer_compress_ratio, cu,
                             case.dtype, ranked)
         settle_by_rounding(agreement, unexplained)
@@ -653,16 +655,17 @@ def explain_by_rounding(entries: list, port_inputs, upstream_inputs: dict, step:
     values on the two sides. An entry (an :func:`_explain` verdict with swapped scores)
     gets, per swapped block, ``exact_scores`` / ``beta`` from the port's inputs
     (``port_inputs`` = ``({(b, t): query [H, D]}, keys [B, N, D])``, those
-    :func:`port_ranked_scores` captured, or :func:`port_score_inputs`'s) and ``upstream_exact_scores`` / ``upstream_beta`` from
-    upstream's (``upstream_inputs``: :func:`inputs_by_row`), both by
+    :func:`port_ranked_scores` captured) and ``upstream_exact_scores`` /
+    ``upstream_beta`` from upstream's (``upstream_inputs``: :func:`inputs_by_row`), both by
     :func:`score_with_bound`; ``input_ulps``: the largest difference between the two
     sides' query row and swapped keys, in units in the last place of ``dtype``. It is
     ``rounding`` explained when all of these hold:
 
     * upstream's ranked scores are within ``upstream_beta`` of the exact scores of its
       captured inputs (they are the inputs it ranked); with ``ranked``
-      (:func:`port_ranked_scores`) the port's ranked scores are within ``beta`` of its
-      exact ones (``port_inputs_same``);
+      (:func:`port_ranked_scores`'s ``{(b, t): scores}``, holding only the rows whose
+      routes that rerun kept) the row is there and the port's ranked scores are within
+      ``beta`` of its exact ones (``port_inputs_same``);
     * each side's choice is right for its own inputs up to float32 evaluation error:
       for every upstream-only block ``a`` and port-only block ``p``,
       ``e_a + beta_a + beta_p >= e_p`` on upstream's inputs and the reverse on the port's;
@@ -682,10 +685,10 @@ def explain_by_rounding(entries: list, port_inputs, upstream_inputs: dict, step:
         entry["exact_scores"] = {k: e for k, (e, _) in port.items()}
         entry["beta"] = {k: beta for k, (_, beta) in port.items()}
         checks = {}
-        if ranked is not None and (b, t) in ranked:
-            mine = {k: float(ranked[(b, t)][c]) for k, c in column.items()}
+        if ranked is not None:
+            mine = {k: float(ranked[(b, t)][c]) for k, c in column.items()} if (b, t) in ranked else {}
             entry["port_ranked_scores"] = mine
-            entry["port_inputs_same"] = all(abs(mine[k] - e) <= beta for k, (e, beta) in port.items())
+            entry["port_inputs_same"] = bool(mine) and all(abs(mine[k] - e) <= beta for k, (e, beta) in port.items())
             checks["the port's ranked scores are float32 evaluations of its inputs"] = entry["port_inputs_same"]
         if up_key not in upstream_inputs:
             entry["rounding"] = False

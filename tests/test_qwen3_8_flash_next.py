@@ -434,7 +434,8 @@ def test_rounding_explanation_tells_rounded_inputs_from_real_differences():
     """A swap at the cut between blocks whose keys differ, on one side, by one bf16 ulp in
     one element (and are equal on the other) is explained by rounding; a swap to a block
     with a clear score gap is not, nor one whose inputs differ by two ulps, nor one whose
-    ranked scores are not float32 evaluations of the side's inputs."""
+    ranked scores are not float32 evaluations of the side's inputs, nor one the port's
+    rerun did not rank the same way."""
     from parity.layers import _explain, explain_by_rounding, score_with_bound, settle_by_rounding
 
     seed = int(np.random.default_rng().integers(2**31))
@@ -467,7 +468,8 @@ def test_rounding_explanation_tells_rounded_inputs_from_real_differences():
         assert not entry["tie"]
         padding = {"row": [0, 3], "reason": "a padding row has routes"}
         count = explain_by_rounding([entry, padding], (query, keys), {(0, t): (query[(0, t)], upstream_keys)}, 4, 4,
-                                    None, "bfloat16", {(0, t): ranked_scores.astype(np.float32)})
+                                    None, "bfloat16",
+                                    {} if ranked_scores is None else {(0, t): ranked_scores.astype(np.float32)})
         assert count == int(entry["rounding"]) and "rounding" not in padding
         return entry
 
@@ -492,6 +494,8 @@ def test_rounding_explanation_tells_rounded_inputs_from_real_differences():
     entry = explained(swap, upstream_scores=off)
     assert not entry["rounding"] and "not upstream's ranked scores" in entry["reason"], (seed, entry)
     entry = explained(swap, ranked_scores=port_scores * (1 + 1e-3))
+    assert not entry["rounding"] and not entry["port_inputs_same"], (seed, entry)
+    entry = explained(swap, ranked_scores=None)  # the rerun did not keep this row's routes
     assert not entry["rounding"] and not entry["port_inputs_same"], (seed, entry)
 
 
