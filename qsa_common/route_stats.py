@@ -36,6 +36,7 @@ __all__ = [
     "adjacent_jaccard",
     "mean_adjacent_jaccard",
     "union_inflation",
+    "key_tile_inflation",
     "route_stats",
 ]
 
@@ -216,6 +217,42 @@ def union_inflation(routes: np.ndarray, kv_length: int, *, group: int, tiling: T
         The inflation (float); ``nan`` when no row has a valid route.
     """
     return route_stats(routes, kv_length, groups=(group,), tilings=(tiling,))["inflation"][group][tiling.label]
+
+
+def key_tile_inflation(routes: np.ndarray, kv_length: int, *, keys_per_tile: int) -> float:
+    """Inflation of a backward whose programs own tiles of K/V rows instead of query rows.
+
+    ``sum_j |Q_j| * T  /  sum_r |R(r)|``, where j runs over the tiles of ``T =
+    keys_per_tile`` consecutive K/V rows of every batch row and ``Q_j`` is the set of
+    query rows routing into tile j: such a program gathers those rows (all G heads of
+    each, so G cancels) and multiplies each against all T keys of its tile. 1.0 means no
+    waste (every gathered row routes to every key of the tile); a row routing to one
+    key of a tile pays T-fold for it. The inverse of :func:`union_inflation`'s view:
+    that one grows as neighbouring rows share fewer routes, this one as a row's routes
+    scatter over the keys.
+
+    Args:
+        routes: ``[S_q, K]`` or ``[B, S_q, K]`` signed integer route IDs.
+        kv_length: S_kv (IDs outside ``[0, S_kv)`` are padding; repeats count once).
+        keys_per_tile: T, a positive int.
+
+    Returns:
+        The inflation (float); ``nan`` when no row has a valid route.
+    """
+    routes = _as_batched(routes, kv_length)
+    if not isinstance(keys_per_tile, (int, np.integer)) or keys_per_tile < 1:
+        raise ValueError(f"keys_per_tile must be a positive int, got {keys_per_tile!r}")
+    useful = touched = 0
+    for b in range(routes.shape[0]):
+        for start in range(0, routes.shape[1], _CHUNK_ROWS):
+            ids = routes[b, start:start + _CHUNK_ROWS].astype(np.int64)
+            ids = np.sort(np.where((ids >= 0) & (ids < kv_length), ids, -1), axis=1)
+            fresh = np.concatenate([ids[:, :1] >= 0, (ids[:, 1:] != ids[:, :-1]) & (ids[:, 1:] >= 0)], axis=1)
+            useful += int(fresh.sum())
+            tiles = np.where(ids >= 0, ids // keys_per_tile, -1)  # sorted too
+            fresh = np.concatenate([tiles[:, :1] >= 0, (tiles[:, 1:] != tiles[:, :-1]) & (tiles[:, 1:] >= 0)], axis=1)
+            touched += int(fresh.sum())
+    return touched * keys_per_tile / useful if useful else float("nan")
 
 
 def route_stats(

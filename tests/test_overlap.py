@@ -11,7 +11,7 @@ import pytest
 from qsa_common.generators import adversarial_routes, qsa_format_routes, qsa_width, random_routes
 from qsa_common.layouts import context_parallel_shard, make_problem
 from qsa_common.route_stats import (
-    FLAT_128, Tiling, adjacent_jaccard, mean_adjacent_jaccard, route_stats, union_inflation,
+    FLAT_128, Tiling, adjacent_jaccard, key_tile_inflation, mean_adjacent_jaccard, route_stats, union_inflation,
 )
 
 
@@ -215,6 +215,26 @@ def test_statistics_match_brute_force():
             assert stats["useful"] == sum(len(s) for b in range(batch) for s in _sets(routes[b], kv))
 
 
+def test_key_tile_inflation_matches_brute_force():
+    """Against sets: sum over tiles of (rows routing into the tile) * T / useful entries,
+    hostile routes (padding, repeats, out-of-range IDs); structured cases exactly."""
+    rng = np.random.default_rng()
+    for _ in range(12):
+        batch, s_q, kv = int(rng.integers(1, 3)), int(rng.integers(1, 600)), int(rng.integers(1, 60))
+        routes = _hostile_routes(rng, batch, s_q, kv)
+        for tile in (1, 3, 4, 16):
+            sets = [s for b in range(batch) for s in _sets(routes[b], kv)]
+            useful = sum(len(s) for s in sets)
+            touched = sum(len({i // tile for i in s}) for s in sets)
+            got = key_tile_inflation(routes, kv, keys_per_tile=tile)
+            assert (np.isnan(got) and useful == 0) or got == pytest.approx(touched * tile / useful, rel=1e-12)
+    assert key_tile_inflation(np.arange(64 * 4).reshape(64, 4), 256, keys_per_tile=4) == 1.0  # aligned blocks
+    assert key_tile_inflation(np.arange(64 * 4).reshape(64, 4), 256, keys_per_tile=16) == 4.0
+    assert key_tile_inflation(np.arange(64 * 4).reshape(64, 4) + 2, 258, keys_per_tile=4) == 2.0  # straddling
+    with pytest.raises(ValueError):
+        key_tile_inflation(np.zeros((4, 2), dtype=np.int64), 4, keys_per_tile=0)
+
+
 def test_statistics_on_structured_cases():
     identical = np.tile(np.arange(10), (64, 1))
     assert union_inflation(identical, 10, group=12) == 1.0
@@ -246,3 +266,22 @@ def test_statistics_reject_bad_input():
         union_inflation(np.zeros((4, 2), dtype=np.int64), 0, group=1)
     with pytest.raises(ValueError):
         mean_adjacent_jaccard(np.zeros((4, 2), dtype=np.int64), 4, first_row=3)
+
+
+def test_key_tile_inflation_script(capsys):
+    """scripts/key_tile_inflation.py prints one table row per overlap, the K/V tiles'
+    inflation growing with the tile and the row-owning column the bench's statistic."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("key_tile_inflation",
+                                                  os.path.join(root, "scripts", "key_tile_inflation.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--seq-len", "4096", "--overlaps", "0.8"]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 0.8 |")]
+    cells = [float(c) for c in row.split("|")[2:8]]
+    problem = make_problem("padded", "qsa", seed=4096, seq_len=4096, top_k=512, batch=1, overlap=0.8)
+    assert cells[1:5] == sorted(cells[1:5]) and cells[1] > 1.0
+    assert cells[5] == pytest.approx(union_inflation(problem.routes, 4096, group=12), abs=0.006)
