@@ -744,10 +744,9 @@ def settle_by_rounding(summary: dict, entries: list, examples: int = 3) -> None:
 def _ulps(a, b, dtype: str) -> float:
     """Largest ``|a - b|`` in units in the last place of ``dtype`` at ``max(|a|, |b|)``."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    mantissa = 7 if dtype == "bfloat16" else 23
-    tiny = 2.0 ** -126
-    big = np.maximum(np.maximum(np.abs(a), np.abs(b)), tiny)
-    ulp = 2.0 ** (np.floor(np.log2(big)) - mantissa)
+    info = np.finfo(_np_dtype(dtype))
+    big = np.maximum(np.maximum(np.abs(a), np.abs(b)), float(info.tiny))
+    ulp = 2.0 ** (np.floor(np.log2(big)) - info.nmant)
     return float((np.abs(a - b) / ulp).max())
 
 

@@ -242,16 +242,10 @@ def key_tile_inflation(routes: np.ndarray, kv_length: int, *, keys_per_tile: int
     routes = _as_batched(routes, kv_length)
     if not isinstance(keys_per_tile, (int, np.integer)) or keys_per_tile < 1:
         raise ValueError(f"keys_per_tile must be a positive int, got {keys_per_tile!r}")
-    useful = touched = 0
-    for b in range(routes.shape[0]):
-        for start in range(0, routes.shape[1], _CHUNK_ROWS):
-            ids = routes[b, start:start + _CHUNK_ROWS].astype(np.int64)
-            ids = np.sort(np.where((ids >= 0) & (ids < kv_length), ids, -1), axis=1)
-            fresh = np.concatenate([ids[:, :1] >= 0, (ids[:, 1:] != ids[:, :-1]) & (ids[:, 1:] >= 0)], axis=1)
-            useful += int(fresh.sum())
-            tiles = np.where(ids >= 0, ids // keys_per_tile, -1)  # sorted too
-            fresh = np.concatenate([tiles[:, :1] >= 0, (tiles[:, 1:] != tiles[:, :-1]) & (tiles[:, 1:] >= 0)], axis=1)
-            touched += int(fresh.sum())
+    useful = int(_row_sizes_and_shared(routes, kv_length)[0].sum())
+    # each row's distinct tiles: its valid IDs mapped to tile numbers, the rest padding
+    tiles = np.where((routes >= 0) & (routes < kv_length), routes // keys_per_tile, -1)
+    touched = int(_row_sizes_and_shared(tiles, -(-kv_length // keys_per_tile))[0].sum())
     return touched * keys_per_tile / useful if useful else float("nan")
 
 
