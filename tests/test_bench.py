@@ -348,6 +348,58 @@ def test_probe_atomics_dry_run(tmp_path):
     assert not any(name.startswith("_probe_") for name in os.listdir(os.path.join(root, "qsa_triton")))
 
 
+_RED_RATE_PTX = r"""
+import json, os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+sys.path.insert(0, os.path.join(os.getcwd(), "scripts", "gpu"))
+import probe_red_rate
+
+many, persistent = probe_red_rate._kernels()
+sig = dict(DK="*fp32", DV="*fp32", UNION="*i32", COUNT="*i32", width="i32", row_stride="i32", head_stride="i32",
+           STORE="constexpr", INT64="constexpr", ROW_MASK="constexpr")
+# pointers and the strides (512, 256 at (24,2), D=256) divisible by 16, as torch's JIT marks them
+aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6)}
+variants = {"red_many": (many, {}, dict(STORE=False, INT64=False, ROW_MASK=0)),
+            "store_many": (many, {}, dict(STORE=True, INT64=False, ROW_MASK=0)),
+            "red_many_l2": (many, {}, dict(STORE=False, INT64=False, ROW_MASK=probe_red_rate.L2_ROWS - 1)),
+            "red_int64_many": (many, dict(DK="*i64", DV="*i64"), dict(STORE=False, INT64=True, ROW_MASK=0))}
+out = {}
+for name, (fn, types, constexprs) in variants.items():
+    k = triton.compile(GluonASTSource(fn, {**sig, **types}, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4))
+    out[name] = sorted(set(re.findall(r"\b((?:red|atom)\.global[\w.]*|st\.global[\w.]*)", k.asm["ptx"])))
+sig_p = dict(DK="*fp32", DV="*fp32", UNION="*i32", COUNT="*i32", n_tiles="i32", n_heads="i32", width="i32",
+             row_stride="i32", head_stride="i32")
+k = triton.compile(GluonASTSource(persistent, sig_p, {}, {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 7, 8)}),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+out["red_8warps"] = sorted(set(re.findall(r"\b((?:red|atom)\.global[\w.]*|st\.global[\w.]*)", k.asm["ptx"])))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_probe_red_rate_issues_the_backwards_add_instructions():
+    """scripts/gpu/probe_red_rate.py's kernels, compiled for sm_90a on the CPU, issue the
+    Hopper backward's add instructions and nothing narrower: relaxed v4 fp32 atomics (the
+    whole-line adds), int64 atomics in the deterministic variant, v4 stores in the store
+    variant; a probe that fell back to scalar atomics would time another instruction."""
+    pytest.importorskip("triton.experimental.gluon")
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _RED_RATE_PTX], capture_output=True, text=True, cwd=root,
+                          timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    # an add whose result is unused is atom.* in triton 3.6's PTX and red.* in 3.9's (REDG either way)
+    found = {name: [op.replace("atom.", "red.") for op in ops]
+             for name, ops in json.loads(done.stdout.split("RESULT ", 1)[1]).items()}
+    v4_add = ["red.global.gpu.relaxed.add.v4.f32"]
+    assert found == {"red_many": v4_add, "red_many_l2": v4_add, "red_8warps": v4_add,
+                     "store_many": ["st.global.v4.b32"], "red_int64_many": ["red.global.gpu.relaxed.add.u64"]}, found
+
+
 def test_profile_kernels_dry_run():
     """scripts/gpu/profile_kernels.py (what ``session.sh profile`` runs under Nsight Compute)
     end to end on CPU in Triton's interpreter: the step it profiles gives the float64

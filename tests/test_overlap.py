@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import tracemalloc
 
 import numpy as np
@@ -233,6 +234,36 @@ def test_key_tile_inflation_matches_brute_force():
     assert key_tile_inflation(np.arange(64 * 4).reshape(64, 4) + 2, 258, keys_per_tile=4) == 2.0  # straddling
     with pytest.raises(ValueError):
         key_tile_inflation(np.zeros((4, 2), dtype=np.int64), 4, keys_per_tile=0)
+
+
+def test_add_bytes_table_counts_union_entries_per_program():
+    """scripts/add_bytes.py's bytes added (sum over programs of |U|, relative to the first
+    tiling) and inflation: against sets on random routes, and exactly where rows share all
+    routes (bigger programs add proportionally less) or none (every tiling adds the same)."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("add_bytes", os.path.join(root, "scripts", "add_bytes.py"))
+    add_bytes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(add_bytes)
+    tilings = (Tiling(pairs=4), Tiling(pairs=8), Tiling(rows=3))
+    identical = np.tile(np.arange(3), (8, 1))
+    assert add_bytes.table(identical, 3, 2, tilings) == {"flat4": (1.0, 1.0), "flat8": (1.0, 0.5),
+                                                         "tile3": (pytest.approx(9 / 8), pytest.approx(3 / 4))}
+    disjoint = np.arange(8)[:, None]
+    assert add_bytes.table(disjoint, 8, 2, tilings) == {"flat4": (2.0, 1.0), "flat8": (4.0, 1.0),
+                                                        "tile3": (3.0, 1.0)}
+    rng = np.random.default_rng()
+    routes = _hostile_routes(rng, 2, int(rng.integers(20, 200)), 40)
+    got = add_bytes.table(routes, 40, 3, tilings)
+    sizes = {}
+    for t in tilings:
+        first, last, _ = t.programs(routes.shape[1], 3)
+        sizes[t.label] = sum(len(set().union(*_sets(routes[b], 40)[f:l + 1])) for b in range(2)
+                             for f, l in zip(first, last))
+    for t in tilings:
+        assert got[t.label][0] == pytest.approx(union_inflation(routes, 40, group=3, tiling=t), rel=1e-12)
+        assert got[t.label][1] == pytest.approx(sizes[t.label] / sizes["flat4"], rel=1e-12)
 
 
 def test_statistics_on_structured_cases():

@@ -12,6 +12,7 @@
 #   tile heights across overlap (warm):           bash scripts/gpu/session.sh tiles
 #   which tilings read out of bounds (warm):      bash scripts/gpu/session.sh chunks
 #   the backward's dK/dV atomics' cost (warm):    bash scripts/gpu/session.sh atomics
+#   the Hopper backward's adds alone, beside it (warm): bash scripts/gpu/session.sh adds
 #   a kernel change, in one call (carry .whl):    bash scripts/gpu/session.sh spot
 #   Nsight Compute of both kernels (warm):        bash scripts/gpu/session.sh profile
 #   main's whole GPU check, no timing (carry .whl): bash scripts/gpu/session.sh complete
@@ -36,7 +37,7 @@
 # repacked after every step, so a call cut short still brings back every finished step in
 # one file (the device returns only a few files per call).
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, spot, profile, complete, final, sweep, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, adopt, bitwise, race or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, adds, spot, profile, complete, final, sweep, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, adopt, bitwise, race or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 scratch=$(mktemp -d)
@@ -142,6 +143,15 @@ chunks)
 atomics)
   # the backward kernel with and without its dK/dV adds' memory traffic (issue 18)
   alone atomics 200 python3 scripts/gpu/probe_atomics.py --out "$R/atomics" --budget-s 170
+  ;;
+adds)
+  # the Hopper backward's dK/dV adds alone (a floor under its time), beside the kernel itself, at
+  # S=32768 J 0.8 / 0.3 and S=131072 J 0.8, each step alone (warm, no carry needed)
+  alone red_rate 150 python3 scripts/gpu/probe_red_rate.py --out "$R/red_rate" --seq-lens 32768 --overlaps 0.8 0.3
+  alone red_rate_131072 150 python3 scripts/gpu/probe_red_rate.py --out "$R/red_rate_131072" --seq-lens 131072 \
+    --overlaps 0.8
+  alone backward 200 python3 scripts/gpu/probe_backward_sm90.py --out "$R/backward" --skip-checks \
+    --seq-lens 32768 131072 --overlaps 0.8 0.3 --budget-s 170
   ;;
 spot)
   # a kernel change checked in one call: timing at J 0.8 alone, then both frameworks' sanitizer
