@@ -17,7 +17,10 @@ identical routes held to 1e-2, tie rows named).
 Cases: S = 8192 padded (one full row, locally correlated hidden states) and packed (three
 documents, one shorter than a block, plain noise), then the same at 32768 while the time
 budget allows (a case starts only if its estimate still fits: the previous case's time
-scaled by S, or 0.6 of it at the same S, whose compilations are mostly reused).
+scaled by S, or 0.6 of it at the same S, whose compilations are mostly reused). Layouts
+``cp`` (two padded rows, of S and 2S/3 tokens) and ``cp-packed`` (the packed documents) run
+the port with context parallelism over the first two JAX devices (the upstream layer
+unsharded on the first GPU): they need two GPUs (``nvidia-h200-x2``) and are refused on fewer.
 Results are written after every case to ``layer_parity.json`` and ``layer_parity.md``.
 ``--dry-run``: the small config at S = 301 on whatever device is present (CPU plumbing check).
 """
@@ -87,11 +90,35 @@ def write(out: str, command: str, env: dict, records: list[dict], notes: list[st
         f.write("\n".join(lines) + "\n")
 
 
+LAYOUTS = ("padded", "packed", "cp", "cp-packed")
+
+
+def real_case(layout: str, s: int):
+    """The real-config case of ``layout`` at S = ``s`` (bfloat16)."""
+    from parity.layers import LayerCase
+
+    docs = (s // 3 + 1, 2, s - s // 3 - 3)
+    if layout == "padded":
+        return LayerCase("padded", "bfloat16", "correlated", s, (s,), "real")
+    if layout == "packed":
+        return LayerCase("packed", "bfloat16", "noise", s, docs, "real")
+    if layout == "cp":
+        return LayerCase("cp", "bfloat16", "correlated", s, (s, 2 * s // 3), "real")
+    if layout == "cp-packed":
+        return LayerCase("cp", "bfloat16", "noise", s, docs, "real")
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def layout_of(case) -> str:
+    """The ``--layouts`` name of ``case``."""
+    return case.label().split("/")[1]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
-    parser.add_argument("--layouts", default="padded,packed", help="comma list of padded,packed")
+    parser.add_argument("--layouts", default="padded,packed", help=f"comma list of {','.join(LAYOUTS)}")
     parser.add_argument("--implementation", default=None,
                         help="qsa_jax.sparse_gqa_attention implementation (default: the library's)")
     parser.add_argument("--time-budget", type=float, default=300.0, help="seconds; later cases are skipped")
@@ -116,17 +143,26 @@ def main(argv=None) -> int:
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     layouts = [x for x in args.layouts.split(",") if x]
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad:
+        parser.error(f"unknown layouts {bad}; expected some of {','.join(LAYOUTS)}")
     if args.dry_run:
         cases = [LayerCase("padded", "bfloat16", "correlated", 301, (301, 174, 0)),
-                 LayerCase("packed", "bfloat16", "noise", 301, (3, 150, 2, 146))]
+                 LayerCase("packed", "bfloat16", "noise", 301, (3, 150, 2, 146)),
+                 LayerCase("cp", "bfloat16", "correlated", 296, (296, 203)),
+                 LayerCase("cp", "bfloat16", "noise", 296, (5, 170, 121))]
     else:
-        cases = []
-        for s in args.seq_lens:
-            for layout in layouts:
-                lengths = (s,) if layout == "padded" else (s // 3 + 1, 2, s - s // 3 - 3)
-                cases.append(LayerCase(layout, "bfloat16", "correlated" if layout == "padded" else "noise", s,
-                                       lengths, "real"))
-    cases = [c for c in cases if c.layout in layouts]
+        import jax
+
+        if any(x.startswith("cp") for x in layouts) and len(jax.devices()) < 2:
+            # run_case would fall back to host devices, far too slow at the real config
+            notes.append(f"the CP layouts need two JAX devices; this host has {len(jax.devices())} "
+                         f"({jax.devices()[0].platform}): run on nvidia-h200-x2")
+            write(args.out, command, env, records, notes)
+            log(notes[-1])
+            return 2
+        cases = [real_case(layout, s) for s in args.seq_lens for layout in layouts]
+    cases = [c for c in cases if layout_of(c) in layouts]
     last = None
     for i, case in enumerate(cases):
         left = args.time_budget - (time.time() - START)
