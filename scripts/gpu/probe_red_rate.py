@@ -13,6 +13,7 @@ events), as:
 * ``red_many``: one CTA of 4 warps per (program, KV head), as many per SM as fit;
 * ``red_8warps``: one persistent CTA of 8 warps per SM (the backward's two consumer
   warpgroups' worth of issuing warps), walking the programs in the kernel's order;
+  ``red_4warps`` / ``red_16warps``: the same with 4 warps (the producer's) or 16 per SM;
 * ``red_many_l2``: ``red_many`` with every ID folded into the first 2048 rows (dK and dV
   then fit in the L2: its reduction rate without misses);
 * ``store_many``: ``red_many``'s pattern with plain stores (the L2's write rate, for scale);
@@ -139,6 +140,8 @@ def main(argv=None) -> int:
             "store_many": lambda: red_many[(n_tiles, hkv)](*common, width, *strides, STORE=True, INT64=False,
                                                             ROW_MASK=0, num_warps=4),
             "red_8warps": lambda: red_persistent[(sms,)](*common, n_tiles, hkv, width, *strides, num_warps=8),
+            "red_4warps": lambda: red_persistent[(sms,)](*common, n_tiles, hkv, width, *strides, num_warps=4),
+            "red_16warps": lambda: red_persistent[(sms,)](*common, n_tiles, hkv, width, *strides, num_warps=16),
             "red_int64_many": lambda: red_many[(n_tiles, hkv)](dk64, dv64, union, count, width, *strides, STORE=False,
                                                                 INT64=True, ROW_MASK=0, num_warps=4),
             "red_many_l2": lambda: red_many[(n_tiles, hkv)](*common, width, *strides, STORE=False, INT64=False,
