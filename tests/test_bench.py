@@ -400,6 +400,66 @@ def test_probe_red_rate_issues_the_backwards_add_instructions():
                      "store_many": ["st.global.v4.b32"], "red_int64_many": ["red.global.gpu.relaxed.add.u64"]}, found
 
 
+_PAIR_ADDS_PTX = r"""
+import json, os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+sys.path.insert(0, os.path.join(os.getcwd(), "scripts", "gpu"))
+import probe_pair_adds
+
+single, pair = probe_pair_adds._kernels()
+sig = dict(DK="*fp32", DV="*fp32", UNION="*i32", COUNT="*i32", width="i32", row_stride="i32", head_stride="i32")
+aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6)}
+out = {}
+k = triton.compile(GluonASTSource(single, sig, {}, aligned), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+out["single"] = k.asm["ptx"]
+for split in (False, True):
+    k = triton.compile(GluonASTSource(pair, dict(sig, COLS="constexpr", SPLIT="constexpr"), {"COLS": 32, "SPLIT": split},
+                                      aligned), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_ctas=2))
+    out["split" if split else "sum"] = k.asm["ptx"]
+summary = {name: {"adds": sorted(set(re.findall(r"(?:red|atom)\.global[\w.]*", ptx))),
+                  "add_instructions": len(re.findall(r"(?:red|atom)\.global", ptx)),
+                  "cluster_rank": "%cluster_ctarank" in ptx,
+                  "cluster_reads": ptx.count("ld.shared::cluster"), "cluster_barriers": ptx.count("barrier.cluster.arrive")}
+           for name, ptx in out.items()}
+print("RESULT " + json.dumps(summary))
+"""
+
+
+def test_probe_pair_adds_reduces_over_the_cluster_before_adding():
+    """scripts/gpu/probe_pair_adds.py's kernels, compiled for sm_90a on the CPU (triton >= 3.9,
+    whose Gluon spreads tensors over a cluster): ``single`` adds its 16 blocks per chunk with v4
+    atomics and touches no other CTA; ``pair_sum`` reads the partner's partials from distributed
+    shared memory and adds each summed block once, on one CTA of the pair (the adds predicated
+    on the cluster rank); ``pair_split`` adds half as many instructions per CTA (each its half of the
+    columns)."""
+    pytest.importorskip("triton.experimental.gluon")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu"))
+    import probe_pair_adds
+
+    why = probe_pair_adds.supported()
+    if why:
+        pytest.skip(why)
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _PAIR_ADDS_PTX], capture_output=True, text=True, cwd=root,
+                          timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    found = json.loads(done.stdout.split("RESULT ", 1)[1])
+    v4 = ["red.global.gpu.relaxed.add.v4.f32"]
+    # 16 [64, 32] blocks per chunk over 128 threads: 4 v4 adds per thread and block
+    assert found["single"] == {"adds": v4, "add_instructions": 64, "cluster_rank": False, "cluster_reads": 0,
+                               "cluster_barriers": 0}, found
+    # the summed block is the same on both CTAs: the adds are predicated on the cluster rank
+    assert found["sum"]["adds"] == v4 and found["sum"]["add_instructions"] == 64, found
+    assert found["sum"]["cluster_rank"] and found["sum"]["cluster_reads"] > 0, found
+    assert found["split"]["adds"] == v4 and found["split"]["add_instructions"] == 32, found
+    assert found["split"]["cluster_reads"] > 0 and found["split"]["cluster_barriers"] > 0, found
+
+
 def test_profile_kernels_dry_run():
     """scripts/gpu/profile_kernels.py (what ``session.sh profile`` runs under Nsight Compute)
     end to end on CPU in Triton's interpreter: the step it profiles gives the float64
