@@ -70,9 +70,13 @@ class LayerCase:
     config: str = "small"
     world_size: int = 2
 
+    @property
+    def layout_name(self) -> str:
+        """``layout``, with context-parallel packed documents named ``cp-packed``."""
+        return "cp-packed" if self.layout == "cp" and _packed(self) else self.layout
+
     def label(self) -> str:
-        layout = "cp-packed" if self.layout == "cp" and _packed(self) else self.layout
-        return f"{self.config}/{layout}/{self.dtype}/{self.hidden}/S={self.seq_len}"
+        return f"{self.config}/{self.layout_name}/{self.dtype}/{self.hidden}/S={self.seq_len}"
 
 
 def default_cases(config: str = "small", dtypes=("float32", "bfloat16"), seq_len: int | None = None):
@@ -683,8 +687,12 @@ def explain_by_rounding(entries: list, port_inputs, upstream_inputs: dict, step:
         if "swapped_scores" not in entry:
             continue
         b, t = entry["row"]
-        start = 0 if cu is None else int(cu[np.searchsorted(cu, t, side="right") - 1])
-        up_key = (b, t) if cu is None else (int(np.searchsorted(cu, t, side="right") - 1), t - start)
+        if cu is None:
+            start, up_key = 0, (b, t)
+        else:  # upstream scores each packed document as its own pseudo-batch row
+            doc = int(np.searchsorted(cu, t, side="right")) - 1
+            start = int(cu[doc])
+            up_key = (doc, t - start)
         blocks = [int(k) for k in entry["swapped_scores"]]
         column = {k: (start + ratio * k) // step for k in blocks}
         port = {k: score_with_bound(queries[(b, t)], keys[b, c]) for k, c in column.items()}

@@ -4,8 +4,8 @@
 
 A row-owning backward adds one [2, D] fp32 block of dK/dV per union entry per program, and
 multiplies each union entry against every (row, head) pair of the program. On the
-benchmark's QSA routes (``make_problem("padded", "qsa", seed=S, batch=1, top_k=512,
-overlap=J)``, the routes ``python -m parity.bench`` times at S), per tiling of
+benchmark's QSA routes (``parity.bench_routes``' top_k 512 routes at seed S, the ones
+``python -m parity.bench`` times at S), per tiling of
 :class:`qsa_common.route_stats.Tiling` at G = 12 ((24, 2) heads): the union inflation
 (products per useful product) and the bytes added relative to today's flat programs of 128
 pairs (sum over programs of the union's size; ``inflation / matrix rows`` up to a constant).
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 
 import numpy as np  # noqa: E402
 
-from qsa_common.layouts import make_problem  # noqa: E402
+from parity.bench_routes import _make_routes, overlap_label  # noqa: E402
 from qsa_common.route_stats import FLAT_128, Tiling, mean_adjacent_jaccard, route_stats  # noqa: E402
 
 TILINGS = (FLAT_128, Tiling(pairs=64), Tiling(rows=10), Tiling(pairs=256), Tiling(rows=21))
@@ -49,9 +49,7 @@ def main(argv=None) -> int:
     print("| J target | J measured | " + " | ".join(t.label for t in TILINGS) + " |")
     print("|---" * (len(TILINGS) + 2) + "|")
     for overlap in args.overlaps:
-        problem = make_problem("padded", "qsa", seed=args.seq_len, seq_len=args.seq_len, top_k=512, batch=1,
-                               overlap=overlap)
-        routes = np.where((problem.routes < 0) | (problem.routes >= args.seq_len), -1, problem.routes)
+        routes = _make_routes(args.seq_len, overlap_label(overlap), 512, args.seq_len)  # parity.bench's seed at S
         rows = table(routes, args.seq_len, args.group)
         cells = " | ".join(f"{inf:.2f} / {added:.2f}" for inf, added in rows.values())
         print(f"| {overlap} | {mean_adjacent_jaccard(routes, args.seq_len):.2f} | {cells} |", flush=True)

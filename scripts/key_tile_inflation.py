@@ -2,8 +2,8 @@
 
     python3 scripts/key_tile_inflation.py --seq-len 32768 --overlaps 0.3 0.6 0.8 0.9
 
-The benchmark's QSA routes (``make_problem("padded", "qsa", seed=S, batch=1, top_k=512,
-overlap=J)``, the routes ``python -m parity.bench`` times at S) at each adjacent-row Jaccard J:
+The benchmark's QSA routes (``parity.bench_routes``' top_k 512 routes at seed S, the ones
+``python -m parity.bench`` times at S) at each adjacent-row Jaccard J:
 :func:`qsa_common.route_stats.key_tile_inflation` for tiles of 16 / 32 / 64 / 128 K/V rows
 (a K/V-owning program gathers the query rows routing into its tile and multiplies each
 against every key of it: wgmma's M of 64 makes 64 the smallest tile a Hopper kernel fills),
@@ -20,9 +20,7 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
-import numpy as np  # noqa: E402
-
-from qsa_common.layouts import make_problem  # noqa: E402
+from parity.bench_routes import _make_routes, overlap_label  # noqa: E402
 from qsa_common.route_stats import FLAT_128, key_tile_inflation, mean_adjacent_jaccard, union_inflation  # noqa: E402
 
 TILES = (16, 32, 64, 128)
@@ -39,9 +37,7 @@ def main(argv=None) -> int:
     print("|---" * (len(TILES) + 3) + "|")
     for overlap in args.overlaps:
         t0 = time.time()
-        problem = make_problem("padded", "qsa", seed=args.seq_len, seq_len=args.seq_len, top_k=512, batch=1,
-                               overlap=overlap)
-        routes = np.where((problem.routes < 0) | (problem.routes >= args.seq_len), -1, problem.routes)
+        routes = _make_routes(args.seq_len, overlap_label(overlap), 512, args.seq_len)  # parity.bench's seed at S
         jaccard = mean_adjacent_jaccard(routes, args.seq_len)
         keys = [key_tile_inflation(routes, args.seq_len, keys_per_tile=t) for t in TILES]
         rows = union_inflation(routes, args.seq_len, group=args.group, tiling=FLAT_128)

@@ -380,21 +380,26 @@ print("RESULT " + json.dumps(out))
 """
 
 
+def _sm90a_compile_result(script: str) -> dict:
+    """Run ``script`` (it compiles probe kernels for sm_90a and prints ``RESULT <json>``) in a
+    fresh interpreter from the repository root, outside Triton's interpreter; its JSON."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return json.loads(done.stdout.split("RESULT ", 1)[1])
+
+
 def test_probe_red_rate_issues_the_backwards_add_instructions():
     """scripts/gpu/probe_red_rate.py's kernels, compiled for sm_90a on the CPU, issue the
     Hopper backward's add instructions and nothing narrower: relaxed v4 fp32 atomics (the
     whole-line adds), int64 atomics in the deterministic variant, v4 stores in the store
     variant; a probe that fell back to scalar atomics would time another instruction."""
     pytest.importorskip("triton.experimental.gluon")
-    import subprocess
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", _RED_RATE_PTX], capture_output=True, text=True, cwd=root,
-                          timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     # an add whose result is unused is atom.* in triton 3.6's PTX and red.* in 3.9's (REDG either way)
     found = {name: [op.replace("atom.", "red.") for op in ops]
-             for name, ops in json.loads(done.stdout.split("RESULT ", 1)[1]).items()}
+             for name, ops in _sm90a_compile_result(_RED_RATE_PTX).items()}
     v4_add = ["red.global.gpu.relaxed.add.v4.f32"]
     assert found == {"red_many": v4_add, "red_many_l2": v4_add, "red_8warps": v4_add,
                      "store_many": ["st.global.v4.b32"], "red_int64_many": ["red.global.gpu.relaxed.add.u64"]}, found
@@ -413,7 +418,9 @@ single, pair = probe_pair_adds._kernels()
 sig = dict(DK="*fp32", DV="*fp32", UNION="*i32", COUNT="*i32", width="i32", row_stride="i32", head_stride="i32")
 aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6)}
 out = {}
-k = triton.compile(GluonASTSource(single, sig, {}, aligned), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+k = triton.compile(GluonASTSource(single, dict(sig, STORE="constexpr", INT64="constexpr", ROW_MASK="constexpr"),
+                                  {"STORE": False, "INT64": False, "ROW_MASK": 0}, aligned),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 out["single"] = k.asm["ptx"]
 for split in (False, True):
     k = triton.compile(GluonASTSource(pair, dict(sig, COLS="constexpr", SPLIT="constexpr"), {"COLS": 32, "SPLIT": split},
@@ -442,13 +449,7 @@ def test_probe_pair_adds_reduces_over_the_cluster_before_adding():
     why = probe_pair_adds.supported()
     if why:
         pytest.skip(why)
-    import subprocess
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", _PAIR_ADDS_PTX], capture_output=True, text=True, cwd=root,
-                          timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    found = json.loads(done.stdout.split("RESULT ", 1)[1])
+    found = _sm90a_compile_result(_PAIR_ADDS_PTX)
     v4 = ["red.global.gpu.relaxed.add.v4.f32"]
     # 16 [64, 32] blocks per chunk over 128 threads: 4 v4 adds per thread and block
     assert found["single"] == {"adds": v4, "add_instructions": 64, "cluster_rank": False, "cluster_reads": 0,

@@ -109,11 +109,6 @@ def real_case(layout: str, s: int):
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def layout_of(case) -> str:
-    """The ``--layouts`` name of ``case``."""
-    return case.label().split("/")[1]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -162,7 +157,7 @@ def main(argv=None) -> int:
             log(notes[-1])
             return 2
         cases = [real_case(layout, s) for s in args.seq_lens for layout in layouts]
-    cases = [c for c in cases if layout_of(c) in layouts]
+    cases = [c for c in cases if c.layout_name in layouts]
     last = None
     for i, case in enumerate(cases):
         left = args.time_budget - (time.time() - START)

@@ -51,36 +51,18 @@ def supported() -> str | None:
 
 
 def _kernels():
+    """``(single, pair)``: ``single`` is ``probe_red_rate.py``'s many-CTA adds kernel."""
+    from probe_red_rate import _kernels as red_rate_kernels
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
     from qsa_triton.forward_sm90 import _chunk_ids
 
     @gluon.jit
-    def single_kernel(DK, DV, UNION, COUNT, width, row_stride, head_stride):
-        # [64, 32] fp32: 4 adjacent columns per thread, 8 lanes per row, 4 rows of 128 bytes per warp instruction
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
-        tile = gl.program_id(0)
-        kv_off = gl.program_id(1).to(gl.int64) * head_stride
-        base = tile.to(gl.int64) * width
-        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        c = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
-        ones = gl.full([64, 32], 1.0, gl.float32, layout=layout)
-        count = gl.load(COUNT + tile)
-        ids = _chunk_ids(UNION, base, 0, count, rows)
-        for j in range(gl.cdiv(count, 64)):
-            ids_next = _chunk_ids(UNION, base, (j + 1) * 64, count, rows)
-            for h in gl.static_range(16):
-                acc = DV if h < 8 else DK
-                ptr = gl.expand_dims(acc + kv_off + (h % 8) * 32 + ids * row_stride, 1) + gl.expand_dims(c, 0)
-                gl.atomic_add(ptr, ones * (j * 16 + h).to(gl.float32), sem="relaxed")
-            ids = ids_next
-
-    @gluon.jit
     def pair_kernel(DK, DV, UNION, COUNT, width, row_stride, head_stride, COLS: gl.constexpr,
                     SPLIT: gl.constexpr):
         # [2, 64, COLS]: dimension 0 is the cluster's CTA (each CTA's partial block), then as
-        # single_kernel's blocks
+        # probe_red_rate's blocks
         nw: gl.constexpr = gl.num_warps()
         part: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 4, 8], [1, nw, 1], [2, 1, 0], cga_layout=[[1, 0, 0]])
         if SPLIT:
@@ -111,7 +93,7 @@ def _kernels():
                 gl.atomic_add(ptr, block, sem="relaxed")
             ids = ids_next
 
-    return single_kernel, pair_kernel
+    return red_rate_kernels()[0], pair_kernel
 
 
 def _unions(routes, seq, pairs, shape):
@@ -138,8 +120,9 @@ def main(argv=None) -> int:
     record = Record(os.path.join(args.out, "probe_pair_adds.json"), args.budget_s)
     why = supported()
     if why:
-        record.run("setup", "triton", lambda: (_ for _ in ()).throw(RuntimeError(why)))
-        log(why)
+        def refuse():
+            raise RuntimeError(why)
+        record.run("setup", "triton", refuse)
         return 2
 
     import torch
@@ -159,6 +142,7 @@ def main(argv=None) -> int:
         per_chunk = hkv * 2 * 64 * shape.head_dim * 4 / 1e9
         single, pair = _kernels()
         runs = {"single": (lambda: single[(u128.shape[0], hkv)](dk, dv, u128, c128, u128.shape[1], *strides,
+                                                                  STORE=False, INT64=False, ROW_MASK=0,
                                                                   num_warps=4), chunks128)}
         for cols in args.cols:
             for split in (False, True):
