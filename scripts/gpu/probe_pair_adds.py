@@ -97,16 +97,17 @@ def _kernels():
 
 
 def _unions(routes, seq, pairs, shape):
-    from qsa_torch import _triton_unions as unions
+    """``probe_red_rate.flat_unions`` of flat programs of ``pairs`` pairs, the forward's
+    unions (the programs the pairs' adds are walked over, uncut)."""
+    from probe_red_rate import flat_unions
+
     from qsa_triton.config import DEFAULT_BLOCK_SIZES
     from qsa_triton.plan import make_plan
 
     hq, hkv = shape.heads
     plan = make_plan(hq // hkv, shape.head_dim, dataclasses.replace(DEFAULT_BLOCK_SIZES, block_m=pairs))
     assert plan.flat and plan.fwd_heads == pairs, plan
-    tile = unions.build_unions(routes, seq, plan)
-    union, count = tile.union.reshape(-1, tile.union.shape[-1]), tile.count.reshape(-1)
-    return union, count, int(((count.long() + 63) // 64).sum())
+    return flat_unions(routes, seq, plan, backward=False)
 
 
 def main(argv=None) -> int:

@@ -101,6 +101,19 @@ def _kernels():
     return red_many_kernel, red_persistent_kernel
 
 
+def flat_unions(routes, seq: int, plan, *, backward: bool = True):
+    """``(union [programs, width], count [programs], chunks)``: ``plan``'s unions of
+    ``routes`` (the backward's with ``backward``, else the forward's) with the batch and
+    program dimensions merged, and their number of 64-ID chunks."""
+    from qsa_torch import _triton_unions as unions
+
+    tile = unions.build_unions(routes, seq, plan)
+    if backward:
+        tile = unions.backward_unions(tile, plan, routes.shape[2], routes.shape[1])
+    union, count = tile.union.reshape(-1, tile.union.shape[-1]), tile.count.reshape(-1)
+    return union, count, int(((count.long() + 63) // 64).sum())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -111,7 +124,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    from qsa_torch import _triton_unions as unions
     from qsa_triton.config import DEFAULT_BLOCK_SIZES
     from qsa_triton.plan import make_plan
 
@@ -126,11 +138,8 @@ def main(argv=None) -> int:
         dv = torch.zeros_like(dk)
         dk64, dv64 = (torch.zeros(dk.shape, device="cuda", dtype=torch.int64) for _ in range(2))
         routes = torch.as_tensor(shape.routes(overlap)).to("cuda")
-        tile = unions.build_unions(routes, seq, plan)
-        tile = unions.backward_unions(tile, plan, routes.shape[2], routes.shape[1])
-        union, count = tile.union.reshape(-1, tile.union.shape[-1]), tile.count.reshape(-1)
+        union, count, chunks = flat_unions(routes, seq, plan)
         n_tiles, width = union.shape
-        chunks = int(((count.long() + 63) // 64).sum())
         gbytes = chunks * hkv * 2 * 64 * shape.head_dim * 4 / 1e9
         common = (dk, dv, union, count)
         strides = (dk.stride(1), dk.stride(2))
