@@ -19,6 +19,7 @@
 #   the side-by-side timing, both head configs (carry .whl): bash scripts/gpu/session.sh final
 #   the same without the forward probe, then the deterministic probe (carry .whl): bash scripts/gpu/session.sh sweep
 #   torch's host time per step, S=8192 beside dense (carry .whl): bash scripts/gpu/session.sh host
+#   the bottom of the overlap range, random routes beside dense (carry .whl): bash scripts/gpu/session.sh lowoverlap
 #   the Hopper forward against forward.py (carry .whl):    bash scripts/gpu/session.sh sm90fwd
 #   the Hopper backward against backward.py (carry .whl):  bash scripts/gpu/session.sh sm90bwd
 #   both Hopper kernels against forward.py / backward.py (carry .whl): bash scripts/gpu/session.sh sm90next, then sm90check
@@ -37,7 +38,7 @@
 # repacked after every step, so a call cut short still brings back every finished step in
 # one file (the device returns only a few files per call).
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, adds, spot, profile, complete, final, sweep, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, adopt, bitwise, race or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, adds, spot, profile, complete, final, sweep, lowoverlap, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, adopt, bitwise, race or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 scratch=$(mktemp -d)
@@ -221,6 +222,15 @@ sweep)
   # deterministic backward's probe
   side_by_side
   alone probe_deterministic 100 python3 scripts/gpu/probe_deterministic.py --out "$R/probe_deterministic"
+  ;;
+lowoverlap)
+  # the bottom of the overlap range: random routes (distinct causal IDs, no four-token blocks;
+  # adjacent-row Jaccard ~0.13 at S=32768, below what the QSA generator's knob reaches) beside
+  # QSA routes at J 0.8 and dense attention, each step alone
+  alone bench 300 python3 -m parity.bench --heads 24:2 --seq-lens 8192,32768 --families random --overlaps 0.8 \
+    --backends torch-dense-sdpa,triton,jax-triton --time-budget 270 --out "$R/bench"
+  alone bench_12x1 170 python3 -m parity.bench --heads 12:1 --seq-lens 32768 --families random \
+    --backends torch-dense-sdpa,triton,jax-triton --time-budget 140 --out "$R/bench_12x1"
   ;;
 host)
   # torch's host time per step (launch gaps are GPU idle at small S), then S=8192 timing, both
