@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 __all__ = ["ProblemDims", "check_chunk_rows", "check_shapes", "resolve_scale"]
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+
 
 @dataclass(frozen=True)
 class ProblemDims:
@@ -92,7 +94,8 @@ def resolve_scale(softmax_scale: object, head_dim: int) -> float:
 
     Raises:
         TypeError: if ``softmax_scale`` is not a real number (bools included).
-        ValueError: if it is not finite or not positive.
+        ValueError: if it is not finite or not positive, or too large for float32 (every
+            backend multiplies fp32 scores by it: past fp32's largest value it would be inf).
     """
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -100,9 +103,14 @@ def resolve_scale(softmax_scale: object, head_dim: int) -> float:
         raise TypeError(
             f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}"
         )
-    scale = float(softmax_scale)
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:  # an int past float64's range
+        raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale!r}") from None
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"softmax_scale must be finite and positive, got {scale!r}")
+    if scale > FLOAT32_MAX:
+        raise ValueError(f"softmax_scale must be at most float32's largest value {FLOAT32_MAX!r}, got {scale!r}")
     return scale
 
 

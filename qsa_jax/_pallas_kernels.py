@@ -52,12 +52,18 @@ def _gather(ref, ids, real, head_dim_pad):
     return jnp.where(real[:, None], rows, jnp.zeros_like(rows))
 
 
+def _n_chunks(count, block_k: int):
+    """Chunks of ``block_k`` IDs covering a union of ``count`` (int32) IDs, in int32 (with
+    x64 enabled a Python int operand would be int64, and Pallas divides same dtypes only)."""
+    return (count + jnp.int32(block_k - 1)) // jnp.int32(block_k)
+
+
 def forward_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, o_ref, lse_ref, *,
                     scale: float, geo: Geometry):
     m_rows = geo.block_m
     rows_of = _rows_of(geo)
     q = q_ref[...]
-    n_chunks = pl.cdiv(count_ref[0], geo.block_k)
+    n_chunks = _n_chunks(count_ref[0], geo.block_k)
 
     def body(c, carry):
         acc, m_prev, l_prev = carry
@@ -101,7 +107,7 @@ def backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, union_ref, 
     q = jnp.where(routed[:, None], q_ref[...], 0).astype(q_ref.dtype)
     do = jnp.where(routed[:, None], do_ref[...], 0).astype(do_ref.dtype)
     delta = jnp.where(routed, delta_ref[...], 0.0)
-    n_chunks = pl.cdiv(count_ref[0], geo.block_k)
+    n_chunks = _n_chunks(count_ref[0], geo.block_k)
 
     def body(c, dq):
         ids, real, member = _chunk(union_ref, bits_ref, c, geo, rows_of)

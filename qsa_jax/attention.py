@@ -78,6 +78,23 @@ IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"xla": _xla, "pallas": _pallas
 GPU_DEFAULT: tuple[str, ...] = ("triton", "pallas", "xla")
 
 
+def _implementation_names(implementation) -> tuple[str, ...]:
+    """``implementation`` (a name or a sequence of names) as a tuple, every name checked
+    before any is tried."""
+    if isinstance(implementation, str):
+        names = (implementation,)
+    elif isinstance(implementation, Sequence) and not isinstance(implementation, (bytes, bytearray)):
+        names = tuple(implementation)
+    else:
+        raise TypeError(f"implementation must be a name or a sequence of names, got {implementation!r}")
+    if not names:
+        raise ValueError(f"implementation names no implementation; expected some of {sorted(IMPLEMENTATIONS)}")
+    for name in names:
+        if not isinstance(name, str) or name not in IMPLEMENTATIONS:
+            raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLEMENTATIONS)}")
+    return names
+
+
 def sparse_gqa_attention(
     query,
     key,
@@ -114,26 +131,23 @@ def sparse_gqa_attention(
         add nothing to any gradient.
 
     Raises:
-        ValueError / TypeError: bad shapes, dtypes or scale (the contract's types).
+        ValueError / TypeError: bad shapes, dtypes or scale (the contract's types); an
+            unknown or empty ``implementation``, a non-bool ``interpret`` or ``deterministic``.
         ImportError: every requested implementation lacks its runtime (jax-triton).
         NotImplementedError: no requested implementation accepts the inputs.
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    if interpret is not None and not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
     routes = prepare_routes(selected_token_ids)
     checked = validate_inputs(query, key, value, routes, softmax_scale)
     if implementation is None:
         names: Sequence[str] = GPU_DEFAULT if on_gpu(query) else ("xla",)
-    elif isinstance(implementation, str):
-        names = (implementation,)
     else:
-        names = tuple(implementation)
+        names = _implementation_names(implementation)
     reasons, missing = [], []
     for name in names:
-        if name not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"unknown implementation {name!r}; expected one of {sorted(IMPLEMENTATIONS)}"
-            )
         try:
             return IMPLEMENTATIONS[name](
                 query, key, value, routes, checked.scale,

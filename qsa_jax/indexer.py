@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qsa_common.contract import resolve_scale
+from qsa_common.contract import check_chunk_rows, resolve_scale
 from qsa_common.generators import qsa_width
 
 __all__ = ["qsa_indexer_routes", "block_keys", "document_starts", "select_routes"]
@@ -246,9 +246,10 @@ def qsa_indexer_routes(
         in ``stop_gradient``.
 
     Raises:
-        TypeError: non-floating inputs, non-integer lengths/segment_ids.
-        ValueError: wrong ranks or shapes, bad ``top_k`` or ``scale``, or both
-            ``lengths`` and ``segment_ids``.
+        TypeError: non-floating inputs, non-integer lengths/segment_ids, a
+            ``chunk_rows`` that is not an int.
+        ValueError: wrong ranks or shapes, bad ``top_k`` or ``scale``, ``chunk_rows``
+            < 1, or both ``lengths`` and ``segment_ids``.
     """
     _check(index_query, index_key, top_k, lengths, segment_ids)
     bsz, seq, heads, dim = index_query.shape
@@ -256,6 +257,8 @@ def qsa_indexer_routes(
         scale = resolve_scale(scale, dim)
     except (TypeError, ValueError) as err:
         raise type(err)(str(err).replace("softmax_scale", "scale")) from None
+    if chunk_rows is not None:
+        chunk_rows = check_chunk_rows(chunk_rows)
     n_cand = len(range(0, max(0, seq - 3), 1 if segment_ids is not None else 4))
     if chunk_rows is None:
         chunk_rows = max(1, _CHUNK_ELEMENTS // max(1, bsz * heads * n_cand))

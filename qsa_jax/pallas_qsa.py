@@ -284,6 +284,10 @@ def pallas_sparse_gqa_attention(
         )
     if interpret is None:
         interpret = not on_gpu(query)
+    elif not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    elif not interpret and not on_gpu(query):
+        raise NotImplementedError("the Pallas kernels compile for GPUs only; off a GPU they run with interpret=True")
     pairs = checked.dims.query_length * checked.dims.group_size
     if block_sizes is None:
         block_sizes = BlockSizes.default(checked.dims.head_dim, interpret, query.dtype,
@@ -293,5 +297,5 @@ def pallas_sparse_gqa_attention(
     elif block_sizes.flatten_heads and not _pairs_fit_int32(pairs, block_sizes):
         raise NotImplementedError(f"flatten_heads indexes (row, head) pairs in int32: S_q * G = {pairs}")
     return _run(query, key, value, routes, scale=checked.scale, block_sizes=block_sizes,
-                interpret=bool(interpret))
+                interpret=interpret)
 

@@ -30,7 +30,7 @@ import numbers
 
 import torch
 
-from qsa_common.contract import resolve_scale
+from qsa_common.contract import check_chunk_rows, resolve_scale
 from qsa_common.generators import qsa_width
 
 __all__ = ["qsa_indexer_routes", "block_keys", "document_starts"]
@@ -180,9 +180,10 @@ def qsa_indexer_routes(
         int32 ``[B, S, 4 * top_k + 4]`` routes in absolute row positions.
 
     Raises:
-        TypeError: non-tensor or non-floating inputs, non-integer lengths/segment_ids.
+        TypeError: non-tensor or non-floating inputs, non-integer lengths/segment_ids,
+            a ``chunk_rows`` that is not an int.
         ValueError: wrong ranks or shapes, devices differ, bad ``top_k`` or
-            ``scale``, or both ``lengths`` and ``segment_ids``.
+            ``scale``, ``chunk_rows`` < 1, or both ``lengths`` and ``segment_ids``.
     """
     _check(index_query, index_key, top_k, lengths, segment_ids)
     bsz, seq, heads, dim = index_query.shape
@@ -190,6 +191,8 @@ def qsa_indexer_routes(
         scale = resolve_scale(scale, dim)
     except (TypeError, ValueError) as err:
         raise type(err)(str(err).replace("softmax_scale", "scale")) from None
+    if chunk_rows is not None:
+        chunk_rows = check_chunk_rows(chunk_rows)
     device = index_query.device
     start, valid = document_starts(bsz, seq, lengths=lengths, segment_ids=segment_ids, device=device)
     step = 1 if segment_ids is not None else 4

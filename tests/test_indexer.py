@@ -247,6 +247,10 @@ BAD = {
     "top_k zero": (dict(top_k=lambda x: 0), ValueError, "top_k"),
     "top_k float": (dict(top_k=lambda x: 2.0), ValueError, "top_k"),
     "scale": (dict(scale=lambda x: -1.0), ValueError, "scale"),
+    "chunk_rows zero": (dict(chunk_rows=lambda x: 0), ValueError, "chunk_rows"),
+    "chunk_rows negative": (dict(chunk_rows=lambda x: -1), ValueError, "chunk_rows"),
+    "chunk_rows float": (dict(chunk_rows=lambda x: 2.5), TypeError, "chunk_rows"),
+    "chunk_rows bool": (dict(chunk_rows=lambda x: True), TypeError, "chunk_rows"),
     "lengths shape": (dict(lengths=lambda x: np.array([3, 3, 3])), ValueError, "lengths"),
     "lengths dtype": (dict(lengths=lambda x: np.array([3.0, 3.0])), TypeError, "lengths"),
     "segments shape": (dict(segment_ids=lambda x: np.zeros((2, 5), np.int32)), ValueError, "segment_ids"),
@@ -261,7 +265,7 @@ def test_bad_input(framework, case):
     changes, exc, text = BAD[case]
     rng = np.random.default_rng()
     args = dict(qi=grid(rng, (2, 8, 2, 4)), k=grid(rng, (2, 8, 4)), top_k=2, scale=None,
-                lengths=None, segment_ids=None)
+                lengths=None, segment_ids=None, chunk_rows=None)
     for name, fn in changes.items():
         args[name] = fn(args[name])
     if framework == "torch":
@@ -278,4 +282,4 @@ def test_bad_input(framework, case):
               for n in ("qi", "k", "lengths", "segment_ids")}
     with pytest.raises(exc, match=text):
         fn(arrays["qi"], arrays["k"], args["top_k"], scale=args["scale"],
-           lengths=arrays["lengths"], segment_ids=arrays["segment_ids"])
+           lengths=arrays["lengths"], segment_ids=arrays["segment_ids"], chunk_rows=args["chunk_rows"])

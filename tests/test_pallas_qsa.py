@@ -154,6 +154,57 @@ def test_implementation_list_falls_back_with_reasons():
         sparse_gqa_attention(x, x, x, routes, implementation="cuda")
 
 
+def test_implementation_and_interpret_arguments_are_checked_first():
+    """Every implementation name is checked before any runs; an empty list or a non-bool
+    ``interpret`` is refused with the contract's types; off a GPU, ``interpret=False``
+    makes Pallas decline (so a list falls through to the next implementation)."""
+    import jax.numpy as jnp
+
+    from qsa_jax import sparse_gqa_attention
+    from qsa_jax.pallas_qsa import pallas_sparse_gqa_attention
+
+    rng = np.random.default_rng()
+    routes = np.where(rng.random((1, 6, 3)) < 0.8, rng.integers(0, 6, (1, 6, 3)), -1)
+    q, k, v, _ = random_inputs(rng, routes, 6, (2, 1), 8, "float32")
+    x = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
+    with pytest.raises(ValueError, match="no implementation"):
+        sparse_gqa_attention(*x, routes, implementation=[])
+    with pytest.raises(ValueError, match="unknown implementation 'nope'"):
+        sparse_gqa_attention(*x, routes, implementation=["xla", "nope"])
+    with pytest.raises(TypeError, match="implementation"):
+        sparse_gqa_attention(*x, routes, implementation=b"xla")
+    for fn in (sparse_gqa_attention, pallas_sparse_gqa_attention):
+        with pytest.raises(TypeError, match="interpret"):
+            fn(*x, routes, interpret="False")
+    want = oracle_forward_backward(q, k, v, routes, 8**-0.5)[0]
+    out = sparse_gqa_attention(*x, routes, implementation=["pallas", "xla"], interpret=False)
+    assert relative_error(np.asarray(out), want) < 1e-5
+    if not any(d.platform == "gpu" for d in x[0].devices()):
+        with pytest.raises(NotImplementedError, match="pallas: .*GPUs only"):
+            sparse_gqa_attention(*x, routes, implementation=["pallas"], interpret=False)
+
+
+@pytest.mark.parametrize("route_dtype", [np.int32, np.int64])
+def test_kernels_with_x64_enabled(route_dtype):
+    """With ``jax_enable_x64`` on, f32 inputs and int32 or int64 routes run through the
+    Pallas kernels (their integer arithmetic stays int32) against the float64 oracle."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng()
+    problem = make_problem("packed", "adversarial", seed=int(rng.integers(2**31)), seq_len=20, width=6)
+    routes = problem.routes if route_dtype == np.int64 else np.where(
+        np.abs(problem.routes) < 2**31, problem.routes, -1).astype(np.int32)
+    q, k, v, do = random_inputs(rng, routes, 20, (2, 1), 8, "float32")
+    with jax.enable_x64(True):
+        out, vjp = jax.vjp(lambda a, b, c: pallas(a, b, c, jnp.asarray(routes), 0.4),
+                           *(jnp.asarray(a, jnp.float32) for a in (q, k, v)))
+        got = (out, *vjp(jnp.asarray(do, jnp.float32)))
+        want = oracle_forward_backward(q, k, v, routes, 0.4, do)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            assert relative_error(np.asarray(g, np.float64), w) < 1e-5, name
+
+
 def test_donated_and_sharded_inputs():
     import jax
     import jax.numpy as jnp

@@ -9,14 +9,18 @@ as transposed views, or as every other row of a larger tensor (whose other rows 
 get exactly zero gradient), routes likewise; a context-parallel split runs the query
 rows in 1-3 contiguous pieces against the whole K/V (torch) or through
 ``qsa_jax.context_parallel_sparse_gqa_attention`` on a mesh of host devices (JAX).
-Outputs and dq, dk, dv must match the oracle at the contract's tolerances (relative
-error; where a result cancels to almost zero, relative to the scale of its terms:
-:func:`_error`).
+Outputs and dq, dk, dv must match the oracle at the contract's tolerances, in a relative
+error whose denominator is floored at a fraction of the scale of the result's terms
+(:func:`_error`), so that a result cancelling to almost zero is not judged against its
+own rounding noise. For 16-bit dq and dk, whose terms cancel, that floor usually decides,
+and the bound is then several times looser than the plain relative error (a 2% error in a
+16-bit dk can pass here): the contract tests (``tests/contract_base.py``) judge the plain
+relative error on their problems.
 
 Backends: torch reference, FlexAttention (forward only on CPU), Triton (interpreted on
 CPU), the dispatching API (``"auto"`` and ``"triton"``), JAX xla and pallas (interpret
-mode on CPU). The ``ci`` hypothesis profile (default, tests/conftest.py) runs a few
-derandomized tiny examples; ``--hypothesis-profile=gpu`` on a GPU host runs more, larger
+mode on CPU). The ``ci`` hypothesis profile (default, tests/conftest.py) draws a few
+fresh tiny examples per run; ``--hypothesis-profile=gpu`` on a GPU host runs more, larger
 ones through the compiled kernels.
 """
 

@@ -61,13 +61,19 @@ def test_jax_reference_under_jit_and_vmap():
 
     rng = np.random.default_rng()
     problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=32, top_k=2)
-    q, k, v, _ = random_inputs(rng, problem.routes, 32, (2, 1), 8, "float32")
-    stacked = [jnp.asarray(np.stack([x, 2 * x]), jnp.float32) for x in (q, k, v)]
+    q, k, v, do = random_inputs(rng, problem.routes, 32, (2, 1), 8, "float32")
+    stacked = [jnp.asarray(np.stack([x, 2 * x]), jnp.float32) for x in (q, k, v, do)]
     routes = jnp.asarray(problem.routes.astype(np.int32))
-    batched = jax.jit(jax.vmap(lambda a, b, c: reference(a, b, c, routes, 0.5)))(*stacked)
+
+    def forward_backward(a, b, c, g):  # out and (dq, dk, dv) of one example
+        out, vjp = jax.vjp(lambda a, b, c: reference(a, b, c, routes, 0.5), a, b, c)
+        return (out, *vjp(g))
+
+    batched = jax.jit(jax.vmap(forward_backward))(*stacked)
     for i, scale_up in enumerate((1, 2)):
-        want = oracle_forward_backward(scale_up * q, scale_up * k, scale_up * v, problem.routes, 0.5)[0]
-        assert relative_error(np.asarray(batched[i]), want) < 1e-5
+        want = oracle_forward_backward(scale_up * q, scale_up * k, scale_up * v, problem.routes, 0.5, scale_up * do)
+        for name, got, ref in zip(("out", "dq", "dk", "dv"), batched, want):
+            assert relative_error(np.asarray(got[i]), ref) < 1e-5, (name, i)
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed", "cp"])
@@ -78,10 +84,16 @@ def test_frameworks_agree_on_identical_inputs(layout):
     from qsa_jax import reference as jax_reference
     from qsa_torch import reference_sparse_gqa_attention
 
+    import jax
+
     rng = np.random.default_rng()
-    problem = make_problem(layout, "adversarial", seed=int(rng.integers(2**31)), seq_len=32, width=12)
-    q, k, v, _ = random_inputs(rng, problem.routes, problem.kv_length, (4, 2), 16, "float32")
-    t_out = reference_sparse_gqa_attention(*(torch.tensor(x, dtype=torch.float32) for x in (q, k, v)),
-                                           torch.from_numpy(problem.routes))
-    j_out = jax_reference(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), problem.routes)
-    assert relative_error(np.asarray(j_out), t_out.numpy()) < 1e-6
+    problem = make_problem(layout, "adversarial", seed=int(rng.integers(2**31)), seq_len=32, width=12, rank=1)
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, (4, 2), 16, "float32")
+    leaves = [torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in (q, k, v)]
+    t_out = reference_sparse_gqa_attention(*leaves, torch.from_numpy(problem.routes))
+    t_out.backward(torch.tensor(do, dtype=torch.float32))
+    j_out, vjp = jax.vjp(lambda a, b, c: jax_reference(a, b, c, problem.routes),
+                         *(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
+    j_grads = vjp(jnp.asarray(do, jnp.float32))
+    for name, j, t in zip(("out", "dq", "dk", "dv"), (j_out, *j_grads), (t_out, *(x.grad for x in leaves))):
+        assert relative_error(np.asarray(j), t.detach().numpy()) < 1e-6, name

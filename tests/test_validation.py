@@ -50,6 +50,8 @@ CASES = {
     "inf scale": (good(), math.inf, ValueError, "softmax_scale"),
     "string scale": (good(), "0.5", TypeError, "softmax_scale"),
     "bool scale": (good(), True, TypeError, "softmax_scale"),
+    "scale past float32": (good(), 1e39, ValueError, "softmax_scale"),  # inf in fp32 scores
+    "scale past float64": (good(), 10**400, ValueError, "softmax_scale"),
 }
 
 
