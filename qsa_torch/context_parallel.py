@@ -33,6 +33,52 @@ def _tensor_collectives(tensor: torch.Tensor, group) -> bool:
     return tensor.is_cuda and "nccl" in str(dist.get_backend(group)).lower()
 
 
+# dtypes by code for the ranks' signatures (0: anything else)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
+_SIGNATURE_DIMS = 8  # dimensions of each tensor compared across ranks
+
+
+def _signature(tensors) -> list[int]:
+    """Fixed-length ints describing ``tensors``' shapes and dtypes (zeros for non-tensors)."""
+    out: list[int] = []
+    for t in tensors:
+        shape = list(t.shape) if isinstance(t, torch.Tensor) else []
+        code = _DTYPES.index(t.dtype) + 1 if isinstance(t, torch.Tensor) and t.dtype in _DTYPES else 0
+        out += [len(shape), code] + (shape + [0] * _SIGNATURE_DIMS)[:_SIGNATURE_DIMS]
+    return out
+
+
+def _agree_across_ranks(tensors, what: str, error: Exception | None, group) -> None:
+    """Before any data moves: one small all-gather of every rank's ``_signature(tensors)``
+    and of whether its own inputs were refused (``error``). Raises on every rank alike, so
+    that no rank waits alone in the collectives that follow: ``error`` on the rank that
+    had it, ValueError on the others; ValueError everywhere where the signatures differ.
+    On NCCL groups the gather runs on the current CUDA device and is read on the host
+    (one synchronisation per call)."""
+    world = dist.get_world_size(group)
+    if world < 1:
+        raise ValueError("this process is not a member of the process group it passed")
+    nccl = "nccl" in str(dist.get_backend(group)).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    mine = torch.tensor([int(error is not None)] + _signature(tensors), dtype=torch.int64, device=device)
+    every = mine.new_empty((world, mine.numel()))
+    if nccl:
+        dist.all_gather_into_tensor(every, mine, group=group)
+    else:
+        dist.all_gather(list(every.unbind(0)), mine, group=group)
+    every = every.cpu()
+    if error is not None:
+        raise error
+    refused = [r for r in range(world) if every[r, 0]]
+    if refused:
+        raise ValueError(f"{what}: the inputs of rank(s) {refused} of the group were refused (see their errors)")
+    differ = [r for r in range(world) if not torch.equal(every[r, 1:], every[0, 1:])]
+    if differ:
+        raise ValueError(f"{what}: every rank must pass the same shapes and dtypes; rank(s) {differ} differ from "
+                         f"rank 0 (per tensor: ndim, dtype code, shape) {every[0, 1:].tolist()} vs "
+                         f"{[every[r, 1:].tolist() for r in differ]}")
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather along ``dim``; backward reduce-scatters the gradient along ``dim``."""
 
@@ -64,9 +110,11 @@ class _GatherSequence(torch.autograd.Function):
 def gather_sequence(local: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
     """Concatenate every rank's ``local`` along ``dim`` (rank order), differentiably.
 
-    All ranks must pass the same shape. The gradient each rank gets back is the
-    sum over ranks of the gradient flowing into its own slice.
+    All ranks must pass the same shape and dtype (checked first, with one small
+    collective: a mismatch raises ValueError on every rank). The gradient each rank gets
+    back is the sum over ranks of the gradient flowing into its own slice.
     """
+    _agree_across_ranks([local], "gather_sequence", None, group)
     return _GatherSequence.apply(local, dim, group)
 
 
@@ -102,18 +150,29 @@ def context_parallel_sparse_gqa_attention(
         ``[B, S_q_local, Hq, D]`` local output. Gradients reach ``query_local``,
         ``key_local`` and ``value_local`` (dK/dV reduce-scattered across ranks).
 
+    Every rank's inputs are checked before any data moves, in one small collective (on
+    NCCL, read on the host: one synchronisation per call): where one rank's inputs break
+    the contract, or ranks pass K/V of different shapes or dtypes, every rank raises (the
+    offending rank its own error, the others ValueError), so no rank waits alone.
+
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
-        ValueError: local inputs that break the contract, or both ``backend`` and
-            ``attention_fn`` given.
+        ValueError: local inputs that break the contract (on any rank), K/V shapes or
+            dtypes that differ across ranks, a process not in ``group``, or both
+            ``backend`` and ``attention_fn`` given.
         TypeError: local inputs that break the contract.
     """
     if attention_fn is not None and backend != "auto":
         raise ValueError(f"pass backend ({backend!r}) or attention_fn, not both")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("context_parallel_sparse_gqa_attention needs an initialised torch.distributed")
-    validate_inputs(query_local, key_local, value_local, selected_token_ids_local, softmax_scale)
-    kv = gather_sequence(torch.stack([key_local, value_local]), dim=2, group=group)
+    try:
+        validate_inputs(query_local, key_local, value_local, selected_token_ids_local, softmax_scale)
+        error = None
+    except (TypeError, ValueError) as err:
+        error = err
+    _agree_across_ranks([key_local, value_local], "context_parallel_sparse_gqa_attention", error, group)
+    kv = _GatherSequence.apply(torch.stack([key_local, value_local]), 2, group)
     if attention_fn is not None:
         return attention_fn(query_local, kv[0], kv[1], selected_token_ids_local, softmax_scale)
     return sparse_gqa_attention(query_local, kv[0], kv[1], selected_token_ids_local, softmax_scale,

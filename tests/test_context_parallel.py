@@ -5,6 +5,7 @@ result and the float64 oracle (outputs and dq, dk, dv)."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 
@@ -216,6 +217,56 @@ def test_torch_cp_gloo_two_processes(tmp_path, dtype):
     for label in ("default", "group+fn", "spies"):
         got = [np.concatenate([r[f"{label}/{n}"] for r in ranks], axis=1) for n in ("out", "dq", "dk", "dv")]
         assert_close(got, single, want, dtype, f"torch cp gloo {label} {dtype}")
+
+
+def _mismatch_worker(rank, world, init_file, out_dir):
+    """One gloo rank of :func:`test_torch_cp_ranks_that_disagree_all_raise`: each case's
+    exception (class and message) on this rank, or "accepted"."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch
+    import torch.distributed as dist
+
+    from qsa_torch.context_parallel import context_parallel_sparse_gqa_attention as cp
+    from qsa_torch.context_parallel import gather_sequence
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        q = torch.randn(1, 4, 2, 8)
+        routes = torch.zeros(1, 4, 3, dtype=torch.int64)
+        kv = torch.randn(1, 4, 1, 8)
+        swapped = torch.randn(1, 2, 2, 8)  # as many elements, another shape
+        cases = {
+            "same numel, other shape": lambda: cp(q, *(2 * [swapped if rank == 1 else kv]), routes),
+            "one rank refused": lambda: cp(q, kv, kv, routes.float() if rank == 1 else routes),
+            "gather dtype": lambda: gather_sequence(kv.double() if rank == 1 else kv),
+            "agreeing": lambda: cp(q, kv, kv, routes),
+        }
+        results = {}
+        for name, fn in cases.items():
+            try:
+                fn()
+                results[name] = "accepted"
+            except Exception as err:  # noqa: BLE001 - the test reads the class and message
+                results[name] = f"{type(err).__name__}: {err}"
+        with open(os.path.join(out_dir, f"mismatch{rank}.json"), "w") as fh:
+            json.dump(results, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_cp_ranks_that_disagree_all_raise(tmp_path):
+    """K/V of different shapes (even with as many elements) or dtypes across ranks, or one
+    rank's refused input, raise on every rank before any data moves: no silent misread
+    of another rank's bytes, no rank left waiting in a collective."""
+    spawn(_mismatch_worker, 2, (str(tmp_path / "init"), str(tmp_path)))
+    ranks = [json.load(open(tmp_path / f"mismatch{r}.json")) for r in range(2)]
+    for r in ranks:
+        assert r["same numel, other shape"].startswith("ValueError") and "differ" in r["same numel, other shape"]
+        assert r["gather dtype"].startswith("ValueError") and "differ" in r["gather dtype"]
+        assert r["agreeing"] == "accepted"
+    assert ranks[1]["one rank refused"].startswith("TypeError")
+    assert ranks[0]["one rank refused"].startswith("ValueError") and "rank(s) [1]" in ranks[0]["one rank refused"]
 
 
 def test_torch_cp_backend_and_attention_fn_are_exclusive():

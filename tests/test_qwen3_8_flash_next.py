@@ -59,6 +59,11 @@ def test_config_validates_and_reads_upstream_dicts():
                                "head_dim": 16, "indexer_head_dim": 8, "vocab_size": 7, "torch_dtype": "float32",
                                "rope_parameters": {"rope_theta": 5e5, "partial_rotary_factor": 0.5}})
     assert (got.rope_theta, got.partial_rotary_factor, got.dtype, got.rotary_dim) == (5e5, 0.5, "float32", 8)
+    # upstream's rotary embedding reads rope_parameters, over a top-level rope_theta
+    both = QSAConfig.from_dict({"rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert both.rope_theta == 1e4
+    with pytest.raises(ValueError, match="rope_type 'linear' is not implemented"):
+        QSAConfig.from_dict({"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}})
     for bad, text in ((dict(num_key_value_heads=5), "multiple"), (dict(indexer_kv_heads=2), "one key head"),
                       (dict(indexer_budget=30), "divisible"), (dict(indexer_compress_ratio=1), "ratio"),
                       (dict(partial_rotary_factor=0.9), "rotary width"), (dict(dtype="int8"), "dtype"),

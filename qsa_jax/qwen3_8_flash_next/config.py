@@ -122,15 +122,26 @@ class QSAConfig:
     def from_dict(cls, config: Mapping[str, Any]) -> "QSAConfig":
         """The layer's fields from an upstream text config dict (``config.json``'s
         ``text_config``, or ``PretrainedConfig.to_dict()``); other keys are ignored.
-        ``rope_theta`` and ``partial_rotary_factor`` are read from
-        ``rope_parameters`` where the top level lacks them, as upstream does."""
+        ``rope_theta`` and ``partial_rotary_factor`` come from ``rope_parameters``
+        (or ``rope_scaling``) where it has them, as upstream's rotary embedding reads
+        them, else from the top level.
+
+        Raises:
+            TypeError: ``config`` is not a mapping.
+            ValueError: a ``rope_type`` other than ``"default"`` (scaled rotary
+                embeddings are not ported), or fields :class:`QSAConfig` refuses.
+        """
         if not isinstance(config, Mapping):
             raise TypeError(f"config must be a mapping, got {type(config).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in config.items() if k in names and v is not None}
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type"))
+        if rope_type not in (None, "default"):
+            raise ValueError(f"rope_type {rope_type!r} is not implemented by the port (only 'default' rotary "
+                             "embeddings are)")
         for key in ("rope_theta", "partial_rotary_factor"):
-            if key not in values and rope.get(key) is not None:
+            if rope.get(key) is not None:
                 values[key] = rope[key]
         for key in ("rope_theta", "partial_rotary_factor", "rms_norm_eps", "initializer_range"):
             if key in values:
