@@ -15,7 +15,11 @@ from dataclasses import dataclass
 
 __all__ = ["ProblemDims", "check_chunk_rows", "check_shapes", "resolve_scale"]
 
-FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+# the softmax scales every backend can use: kernels scale fp32 scores by the scale times
+# log2(e) (which must stay finite in fp32), and by the scale itself (which must not round
+# to zero in fp32)
+SCALE_MAX = 3.4028234663852886e38 / 1.4426950408889634
+SCALE_MIN = 2.0**-149  # the smallest positive float32
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,9 @@ def resolve_scale(softmax_scale: object, head_dim: int) -> float:
 
     Raises:
         TypeError: if ``softmax_scale`` is not a real number (bools included).
-        ValueError: if it is not finite or not positive, or too large for float32 (every
-            backend multiplies fp32 scores by it: past fp32's largest value it would be inf).
+        ValueError: if it is not finite or not positive, or outside
+            ``[SCALE_MIN, SCALE_MAX]``: fp32 scores are multiplied by it and by it times
+            log2(e), which must neither round to zero nor overflow in float32.
     """
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -106,11 +111,12 @@ def resolve_scale(softmax_scale: object, head_dim: int) -> float:
     try:
         scale = float(softmax_scale)
     except OverflowError:  # an int past float64's range
-        raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale!r}") from None
+        raise ValueError("softmax_scale must be finite and positive, got a value past float64's range") from None
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"softmax_scale must be finite and positive, got {scale!r}")
-    if scale > FLOAT32_MAX:
-        raise ValueError(f"softmax_scale must be at most float32's largest value {FLOAT32_MAX!r}, got {scale!r}")
+    if not SCALE_MIN <= scale <= SCALE_MAX:
+        raise ValueError(f"softmax_scale must lie in [{SCALE_MIN!r}, {SCALE_MAX!r}] (float32 must hold it and it "
+                         f"times log2(e)), got {scale!r}")
     return scale
 
 

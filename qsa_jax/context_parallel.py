@@ -48,16 +48,24 @@ def sparse_gqa_attention_shard(
     *,
     axis_name: str,
     implementation: str | Sequence[str] | None = None,
+    block_sizes=None,
+    interpret: bool | None = None,
+    deterministic: bool = False,
 ):
     """Per-device body: local query rows ``[B, S_q/n, Hq, D]``, local K/V
     ``[B, S_kv/n, Hkv, D]`` and local routes (global IDs) -> local output.
 
     Must run inside ``shard_map`` (or another map) that binds ``axis_name``.
+    ``implementation``, ``block_sizes``, ``interpret`` and ``deterministic`` are
+    :func:`qsa_jax.sparse_gqa_attention`'s. With ``deterministic`` each device's own
+    gradients are bitwise reproducible; dK/dV are then their sum over devices by the
+    all-gather's transpose (a reduce-scatter), reproducible as far as XLA's collectives are.
     """
     key = jax.lax.all_gather(key, axis_name, axis=1, tiled=True)
     value = jax.lax.all_gather(value, axis_name, axis=1, tiled=True)
     return sparse_gqa_attention(
-        query, key, value, selected_token_ids, softmax_scale, implementation=implementation
+        query, key, value, selected_token_ids, softmax_scale, implementation=implementation,
+        block_sizes=block_sizes, interpret=interpret, deterministic=deterministic,
     )
 
 
@@ -72,6 +80,9 @@ def context_parallel_sparse_gqa_attention(
     axis_name: str = "cp",
     batch_axis: str | None = None,
     implementation: str | Sequence[str] | None = None,
+    block_sizes=None,
+    interpret: bool | None = None,
+    deterministic: bool = False,
     check_vma: bool = False,
 ):
     """Route-sparse GQA with the sequence split over mesh axis ``axis_name``.
@@ -85,7 +96,8 @@ def context_parallel_sparse_gqa_attention(
         softmax_scale: finite positive scale, default ``1/sqrt(D)``.
         mesh: the device mesh; ``axis_name`` splits S_q and S_kv (device i holds
             rows ``i*S/n .. (i+1)*S/n - 1``), ``batch_axis`` (optional) splits B.
-        implementation: passed to :func:`qsa_jax.sparse_gqa_attention` on each device.
+        implementation, block_sizes, interpret, deterministic: passed to
+            :func:`qsa_jax.sparse_gqa_attention` on each device.
         check_vma: shard_map's replication check; off by default because
             custom kernels (Pallas calls) need not declare how they vary over axes.
 
@@ -95,6 +107,9 @@ def context_parallel_sparse_gqa_attention(
     Raises:
         ValueError: the contract's shape errors, an axis missing from the mesh,
             or S_q / S_kv / B not divisible by their mesh axis size.
+        TypeError: a non-bool ``deterministic`` (and what the per-device call raises).
+        NotImplementedError / ImportError: no named implementation accepts the inputs
+            (e.g. ``deterministic=True`` where only fp32-atomic kernels are named).
     """
     routes = prepare_routes(selected_token_ids)
     checked = validate_inputs(query, key, value, routes, softmax_scale)
@@ -111,9 +126,11 @@ def context_parallel_sparse_gqa_attention(
             f"batch {dims.batch} is not divisible by mesh axis {batch_axis!r} of size {mesh.shape[batch_axis]}"
         )
     spec = PartitionSpec(batch_axis, axis_name)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     body = functools.partial(
         sparse_gqa_attention_shard, softmax_scale=checked.scale, axis_name=axis_name,
-        implementation=implementation,
+        implementation=implementation, block_sizes=block_sizes, interpret=interpret, deterministic=deterministic,
     )
     mapped = shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, check_vma=check_vma)
     return mapped(query, key, value, routes)

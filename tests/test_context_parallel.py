@@ -84,6 +84,37 @@ def test_jax_cp_on_a_2d_mesh_with_vma_check_and_bf16():
     assert_close(got, single, want, "bfloat16", "jax cp 2x2 bf16")
 
 
+def test_jax_cp_passes_deterministic_and_kernel_options_through():
+    """``deterministic`` (and ``interpret``, ``block_sizes``) reach every device's call:
+    the xla implementation (deterministic on CPU) gives the same bits twice and the
+    oracle's values; Pallas (fp32 atomics) declines deterministic=True."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from qsa_jax.context_parallel import context_parallel_sparse_gqa_attention as cp
+    from qsa_jax.pallas_qsa import BlockSizes
+
+    rng = np.random.default_rng()
+    routes, q, k, v, do = problem_and_inputs(rng, "packed", "adversarial", 32)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("cp",))
+    fn = jax.jit(lambda a, b, c: cp(a, b, c, routes, 0.4, mesh=mesh, implementation="xla", deterministic=True))
+    runs = [jax_vjp(fn, q, k, v, do, "float32")[1] for _ in range(2)]
+    for a, b in zip(*runs):
+        assert np.array_equal(a, b)
+    want = oracle_forward_backward(q, k, v, routes, 0.4, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), runs[0], want):
+        assert relative_error(g, w) < 1e-5, name
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        cp(*args, routes, 0.4, mesh=mesh, implementation="pallas", interpret=True, deterministic=True)
+    bs = BlockSizes(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
+    out = cp(*args, routes, 0.4, mesh=mesh, implementation="pallas", interpret=True, block_sizes=bs)
+    assert relative_error(np.asarray(out, np.float64), want[0]) < 1e-5
+    with pytest.raises(TypeError, match="deterministic"):
+        cp(*args, routes, mesh=mesh, deterministic="yes")
+
+
 def test_jax_cp_rejects_bad_layouts():
     import jax
     import jax.numpy as jnp

@@ -51,6 +51,8 @@ CASES = {
     "string scale": (good(), "0.5", TypeError, "softmax_scale"),
     "bool scale": (good(), True, TypeError, "softmax_scale"),
     "scale past float32": (good(), 1e39, ValueError, "softmax_scale"),  # inf in fp32 scores
+    "scale times log2(e) past float32": (good(), 3e38, ValueError, "softmax_scale"),
+    "scale below float32": (good(), 1e-46, ValueError, "softmax_scale"),  # rounds to 0 in fp32
     "scale past float64": (good(), 10**400, ValueError, "softmax_scale"),
 }
 
