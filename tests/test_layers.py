@@ -216,8 +216,10 @@ def test_gated_attention_gradients_match_dense_attention(family):
                             implementation="xla", attention_fn=attention_fn)
         return jnp.sum(out * g)
 
-    got_p, got_x = jax.jit(jax.grad(lambda p, a: loss(p, a, None), argnums=(0, 1)))(params, x)
-    want_p, want_x = jax.jit(jax.grad(lambda p, a: loss(p, a, dense_attention), argnums=(0, 1)))(params, x)
+    # full fp32 products on GPUs too (their default f32 matmuls are TF32, ~1e-3)
+    with jax.default_matmul_precision("highest"):
+        got_p, got_x = jax.jit(jax.grad(lambda p, a: loss(p, a, None), argnums=(0, 1)))(params, x)
+        want_p, want_x = jax.jit(jax.grad(lambda p, a: loss(p, a, dense_attention), argnums=(0, 1)))(params, x)
     assert relative_error(np.asarray(got_x), np.asarray(want_x)) < 1e-5
     for name, want in want_p.items():
         assert np.abs(np.asarray(want)).max() > 0
