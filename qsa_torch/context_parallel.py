@@ -16,6 +16,7 @@ global rows.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -33,18 +34,21 @@ def _tensor_collectives(tensor: torch.Tensor, group) -> bool:
     return tensor.is_cuda and "nccl" in str(dist.get_backend(group)).lower()
 
 
-# dtypes by code for the ranks' signatures (0: anything else)
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
-_SIGNATURE_DIMS = 8  # dimensions of each tensor compared across ranks
+_SIGNATURE_DIMS = 8  # dimensions of each tensor compared across ranks (more are refused)
 
 
 def _signature(tensors) -> list[int]:
-    """Fixed-length ints describing ``tensors``' shapes and dtypes (zeros for non-tensors)."""
+    """Fixed-length ints describing ``tensors``: per tensor its ndim, dtype (a CRC of its
+    name, the same in every process), whether it is on a CUDA device, and its shape
+    (zeros for non-tensors)."""
     out: list[int] = []
     for t in tensors:
-        shape = list(t.shape) if isinstance(t, torch.Tensor) else []
-        code = _DTYPES.index(t.dtype) + 1 if isinstance(t, torch.Tensor) and t.dtype in _DTYPES else 0
-        out += [len(shape), code] + (shape + [0] * _SIGNATURE_DIMS)[:_SIGNATURE_DIMS]
+        if not isinstance(t, torch.Tensor):
+            out += [0] * (3 + _SIGNATURE_DIMS)
+            continue
+        shape = list(t.shape)
+        out += [len(shape), zlib.crc32(str(t.dtype).encode()), int(t.is_cuda)]
+        out += (shape + [0] * _SIGNATURE_DIMS)[:_SIGNATURE_DIMS]
     return out
 
 
@@ -53,13 +57,22 @@ def _agree_across_ranks(tensors, what: str, error: Exception | None, group) -> N
     and of whether its own inputs were refused (``error``). Raises on every rank alike, so
     that no rank waits alone in the collectives that follow: ``error`` on the rank that
     had it, ValueError on the others; ValueError everywhere where the signatures differ.
-    On NCCL groups the gather runs on the current CUDA device and is read on the host
-    (one synchronisation per call)."""
+    On NCCL groups the gather runs on the inputs' CUDA device and is read on the host
+    (one synchronisation per call, which also keeps the call out of CUDA graphs)."""
+    if error is None:
+        deep = [t.dim() for t in tensors if isinstance(t, torch.Tensor) and t.dim() > _SIGNATURE_DIMS]
+        if deep:
+            error = ValueError(f"{what}: tensors of more than {_SIGNATURE_DIMS} dimensions are not supported, "
+                               f"got {deep[0]}")
     world = dist.get_world_size(group)
     if world < 1:
         raise ValueError("this process is not a member of the process group it passed")
     nccl = "nccl" in str(dist.get_backend(group)).lower()
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    cuda = [t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
+    if not nccl:
+        device = torch.device("cpu")
+    else:  # the inputs' own GPU, as the data collectives use (the current one for garbage inputs)
+        device = cuda[0] if cuda else torch.device("cuda", torch.cuda.current_device())
     mine = torch.tensor([int(error is not None)] + _signature(tensors), dtype=torch.int64, device=device)
     every = mine.new_empty((world, mine.numel()))
     if nccl:
@@ -74,8 +87,9 @@ def _agree_across_ranks(tensors, what: str, error: Exception | None, group) -> N
         raise ValueError(f"{what}: the inputs of rank(s) {refused} of the group were refused (see their errors)")
     differ = [r for r in range(world) if not torch.equal(every[r, 1:], every[0, 1:])]
     if differ:
-        raise ValueError(f"{what}: every rank must pass the same shapes and dtypes; rank(s) {differ} differ from "
-                         f"rank 0 (per tensor: ndim, dtype code, shape) {every[0, 1:].tolist()} vs "
+        raise ValueError(f"{what}: every rank must pass the same shapes, dtypes and device types; rank(s) "
+                         f"{differ} differ from rank 0 (per tensor: ndim, dtype code, on CUDA, shape) "
+                         f"{every[0, 1:].tolist()} vs "
                          f"{[every[r, 1:].tolist() for r in differ]}")
 
 

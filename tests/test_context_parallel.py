@@ -113,6 +113,15 @@ def test_jax_cp_passes_deterministic_and_kernel_options_through():
     assert relative_error(np.asarray(out, np.float64), want[0]) < 1e-5
     with pytest.raises(TypeError, match="deterministic"):
         cp(*args, routes, mesh=mesh, deterministic="yes")
+    # interpret and block_sizes reach the devices' calls: off a GPU, interpret=False makes
+    # Pallas decline; a block-size class of another implementation does too
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        with pytest.raises(NotImplementedError, match="GPUs only"):
+            cp(*args, routes, 0.4, mesh=mesh, implementation="pallas", interpret=False)
+    from qsa_triton.config import BlockSizes as TritonBlockSizes
+
+    with pytest.raises(NotImplementedError, match="block_sizes"):
+        cp(*args, routes, 0.4, mesh=mesh, implementation="pallas", interpret=True, block_sizes=TritonBlockSizes())
 
 
 def test_jax_cp_rejects_bad_layouts():
