@@ -107,7 +107,7 @@ def context_parallel_sparse_gqa_attention(
     Raises:
         ValueError: the contract's shape errors, an axis missing from the mesh,
             or S_q / S_kv / B not divisible by their mesh axis size.
-        TypeError: a non-bool ``deterministic`` (and what the per-device call raises).
+        TypeError: what the per-device call raises (e.g. a non-bool ``deterministic``).
         NotImplementedError / ImportError: no named implementation accepts the inputs
             (e.g. ``deterministic=True`` where only fp32-atomic kernels are named).
     """
@@ -126,8 +126,6 @@ def context_parallel_sparse_gqa_attention(
             f"batch {dims.batch} is not divisible by mesh axis {batch_axis!r} of size {mesh.shape[batch_axis]}"
         )
     spec = PartitionSpec(batch_axis, axis_name)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     body = functools.partial(
         sparse_gqa_attention_shard, softmax_scale=checked.scale, axis_name=axis_name,
         implementation=implementation, block_sizes=block_sizes, interpret=interpret, deterministic=deterministic,

@@ -257,11 +257,11 @@ def qsa_indexer_routes(
         scale = resolve_scale(scale, dim)
     except (TypeError, ValueError) as err:
         raise type(err)(str(err).replace("softmax_scale", "scale")) from None
-    if chunk_rows is not None:
-        chunk_rows = check_chunk_rows(chunk_rows)
     n_cand = len(range(0, max(0, seq - 3), 1 if segment_ids is not None else 4))
     if chunk_rows is None:
         chunk_rows = max(1, _CHUNK_ELEMENTS // max(1, bsz * heads * n_cand))
+    else:
+        chunk_rows = check_chunk_rows(chunk_rows)
     routes = _routes(
         jax.lax.stop_gradient(index_query), jax.lax.stop_gradient(index_key), lengths, segment_ids,
         top_k=int(top_k), scale=scale, chunk_rows=int(chunk_rows), packed=segment_ids is not None,

@@ -34,6 +34,17 @@ def _tensor_collectives(tensor: torch.Tensor, group) -> bool:
     return tensor.is_cuda and "nccl" in str(dist.get_backend(group)).lower()
 
 
+def _all_gather_stacked(local: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``local`` (contiguous, the same shape everywhere), stacked in rank order:
+    ``[world, *local.shape]``."""
+    stacked = local.new_empty((dist.get_world_size(group),) + tuple(local.shape))
+    if _tensor_collectives(local, group):
+        dist.all_gather_into_tensor(stacked, local, group=group)
+    else:
+        dist.all_gather(list(stacked.unbind(0)), local, group=group)
+    return stacked
+
+
 _SIGNATURE_DIMS = 8  # dimensions of each tensor compared across ranks (more are refused)
 
 
@@ -74,12 +85,7 @@ def _agree_across_ranks(tensors, what: str, error: Exception | None, group) -> N
     else:  # the inputs' own GPU, as the data collectives use (the current one for garbage inputs)
         device = cuda[0] if cuda else torch.device("cuda", torch.cuda.current_device())
     mine = torch.tensor([int(error is not None)] + _signature(tensors), dtype=torch.int64, device=device)
-    every = mine.new_empty((world, mine.numel()))
-    if nccl:
-        dist.all_gather_into_tensor(every, mine, group=group)
-    else:
-        dist.all_gather(list(every.unbind(0)), mine, group=group)
-    every = every.cpu()
+    every = _all_gather_stacked(mine, group).cpu()
     if error is not None:
         raise error
     refused = [r for r in range(world) if every[r, 0]]
@@ -99,13 +105,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, dim: int, group) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        world = dist.get_world_size(group)
-        local = local.contiguous()
-        stacked = local.new_empty((world,) + tuple(local.shape))
-        if _tensor_collectives(local, group):
-            dist.all_gather_into_tensor(stacked, local, group=group)
-        else:
-            dist.all_gather(list(stacked.unbind(0)), local, group=group)
+        stacked = _all_gather_stacked(local.contiguous(), group)
         return torch.cat(stacked.unbind(0), dim=dim)
 
     @staticmethod
