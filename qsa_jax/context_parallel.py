@@ -11,12 +11,19 @@ dK/dV of its own slice, summed over all devices' queries.
 * :func:`sparse_gqa_attention_shard`: the per-device body, for use inside a
   ``shard_map`` of your own.
 
+Inside the map the arrays are tracers, which do not say where they live, and
+:func:`qsa_jax.sparse_gqa_attention` picks its implementation for the platform of
+``jax.default_device`` (else the default backend): while the map is traced, the
+wrapper sets ``jax.default_device`` to the mesh's first device where the mesh is on
+another platform (e.g. a CPU mesh on a host with GPUs).
+
 Works with ``jax.shard_map`` (jax >= 0.6, so 0.10.2 and 0.11.2) and falls back to
 ``jax.experimental.shard_map`` where the former is missing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -24,7 +31,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from .attention import sparse_gqa_attention
-from .routes import prepare_routes, validate_inputs
+from .routes import _default_devices, prepare_routes, validate_inputs
 
 __all__ = ["context_parallel_sparse_gqa_attention", "sparse_gqa_attention_shard", "shard_map"]
 
@@ -131,4 +138,7 @@ def context_parallel_sparse_gqa_attention(
         implementation=implementation, block_sizes=block_sizes, interpret=interpret, deterministic=deterministic,
     )
     mapped = shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, check_vma=check_vma)
-    return mapped(query, key, value, routes)
+    first = mesh.devices.flat[0]
+    same = first.platform == _default_devices()[0].platform
+    with contextlib.nullcontext() if same else jax.default_device(first):
+        return mapped(query, key, value, routes)

@@ -103,30 +103,41 @@ def _devices(x: Any) -> frozenset | None:
     return None
 
 
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def _default_devices() -> tuple:
+    """Where JAX runs work whose inputs do not say (tracers, host arrays):
+    ``jax.default_device``'s device or platform where one is set, else the default
+    backend's devices."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return tuple(jax.devices())
+    if isinstance(device, str):
+        return tuple(jax.devices(device))
+    return (device,)
+
+
 def on_gpu(x: Any) -> bool:
     """Whether ``x`` lives on GPUs: its devices for a concrete ``jax.Array``, else
-    (tracers, host arrays) the default backend's."""
-    devices = _devices(x)
-    if devices is None:
-        return jax.default_backend() == "gpu"
-    return all(d.platform == "gpu" for d in devices)
+    (tracers, host arrays) those of :func:`_default_devices`."""
+    devices = _devices(x) or _default_devices()
+    return all(d.platform in _GPU_PLATFORMS for d in devices)
 
 
 def gpu_capability(x: Any) -> tuple[int, int] | None:
     """CUDA compute capability ``(major, minor)`` of the GPU ``x`` lives on (for
-    tracers and host arrays, of the default backend's first device), or None where
-    that is not a CUDA GPU or does not say."""
-    devices = _devices(x)
-    if devices is None:
-        devices = jax.devices() if jax.default_backend() == "gpu" else ()
-    for device in devices:
+    tracers and host arrays, of :func:`_default_devices`' first), or None where that
+    is not a CUDA GPU or does not say."""
+    for device in _devices(x) or _default_devices():
         text = getattr(device, "compute_capability", None)
-        if device.platform == "gpu" and isinstance(text, str):
+        if device.platform in _GPU_PLATFORMS and isinstance(text, str):
             try:
                 major, minor = text.split(".")[:2]
                 return int(major), int(minor)
             except ValueError:
                 return None
+        return None
     return None
 
 

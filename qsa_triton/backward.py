@@ -103,6 +103,8 @@ def qsa_backward_kernel(
     """
     tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask, count = program_tile(
         COUNT, B, S_q, N_TILES, HKV, G, D, N_CHUNKS, HB, T, D_PAD, FLAT, FOLD)
+    # Q/O/dO/dQ offsets in int64: OFFS32 covers K/V/dK/dV only, and d * stride can pass int32
+    d64 = d.to(tl.int64)
 
     lse = tl.load(LSE + b64 * sl_b + head * sl_h + row64 * sl_s, mask=row_ok, other=float("inf"))
     lse_log2 = lse * LOG2E_C
@@ -110,11 +112,11 @@ def qsa_backward_kernel(
     # nothing to any gradient: its q and dO are not read, so whatever they hold cannot
     # reach dK/dV through 0 * NaN
     io_mask = io_mask & (lse != float("inf"))[:, None]
-    q = tl.load(Q + b64 * sq_b + row64[:, None] * sq_s + head[:, None] * sq_h + d[None, :] * sq_d,
+    q = tl.load(Q + b64 * sq_b + row64[:, None] * sq_s + head[:, None] * sq_h + d64[None, :] * sq_d,
                 mask=io_mask, other=0.0)
     do = tl.load(DO + b64 * sdo_b + row64[:, None] * sdo_s + head[:, None] * sdo_h
-                 + d[None, :] * sdo_d, mask=io_mask, other=0.0)
-    o = tl.load(O + b64 * so_b + row64[:, None] * so_s + head[:, None] * so_h + d[None, :] * so_d,
+                 + d64[None, :] * sdo_d, mask=io_mask, other=0.0)
+    o = tl.load(O + b64 * so_b + row64[:, None] * so_s + head[:, None] * so_h + d64[None, :] * so_d,
                 mask=io_mask, other=0.0)
     delta = tl.reduce(do.to(tl.float32) * o.to(tl.float32), 1, SUM)
 
@@ -168,7 +170,7 @@ def qsa_backward_kernel(
     if FOLD > 1:
         row_ok = tl.where(live, row_ok, False)
     io_mask = row_ok[:, None] & d_ok[None, :]
-    dq_ptr = DQ + b64 * sdq_b + row64[:, None] * sdq_s + head[:, None] * sdq_h + d[None, :] * sdq_d
+    dq_ptr = DQ + b64 * sdq_b + row64[:, None] * sdq_s + head[:, None] * sdq_h + d64[None, :] * sdq_d
     tl.store(dq_ptr, cast(dq * scale, DQ.dtype.element_ty, INTERPRET), mask=io_mask)
 
 

@@ -64,8 +64,10 @@ def qsa_forward_kernel(
     """
     tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask, count = program_tile(
         COUNT, B, S_q, N_TILES, HKV, G, D, N_CHUNKS, HB, T, D_PAD, FLAT, FOLD)
+    # Q/O/dO/dQ offsets in int64: OFFS32 covers K/V/dK/dV only, and d * stride can pass int32
+    d64 = d.to(tl.int64)
 
-    q_ptr = Q + b64 * sq_b + row64[:, None] * sq_s + head[:, None] * sq_h + d[None, :] * sq_d
+    q_ptr = Q + b64 * sq_b + row64[:, None] * sq_s + head[:, None] * sq_h + d64[None, :] * sq_d
     q = tl.load(q_ptr, mask=io_mask, other=0.0)
 
     tile_base = (b64 * N_TILES + tile) * UNION_WIDTH
@@ -92,7 +94,7 @@ def qsa_forward_kernel(
     # met on the way) counts as routed, so its LSE is NaN, never +inf (no routes)
     has = l_i != 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    o_ptr = O + b64 * so_b + row64[:, None] * so_s + head[:, None] * so_h + d[None, :] * so_d
+    o_ptr = O + b64 * so_b + row64[:, None] * so_s + head[:, None] * so_h + d64[None, :] * so_d
     tl.store(o_ptr, cast(out, O.dtype.element_ty, INTERPRET), mask=io_mask)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2_C, float("inf"))
     tl.store(LSE + b64 * sl_b + head * sl_h + row64 * sl_s, lse, mask=row_ok)

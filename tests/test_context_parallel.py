@@ -1,6 +1,10 @@
 """Context parallelism: the JAX shard_map wrapper on several host devices and the
 torch.distributed wrapper on 2 gloo processes, each against the single-device
-result and the float64 oracle (outputs and dq, dk, dv)."""
+result and the float64 oracle (outputs and dq, dk, dv).
+
+The JAX meshes are of the 4 host (CPU) devices conftest asks XLA for, on a machine with
+GPUs too: the CP calls are left to pick their implementation for the mesh, while the
+single-device references run on the host under ``jax.default_device``."""
 
 from __future__ import annotations
 
@@ -34,6 +38,23 @@ def assert_close(got, single, want, dtype, label):
 
 
 # ------------------------------------------------------------------------- JAX
+@pytest.fixture
+def host_devices():
+    import jax
+
+    devices = jax.devices("cpu")
+    assert len(devices) >= 4, "conftest asks XLA for 4 host devices"
+    return devices
+
+
+def on_host(devices, fn, *args):
+    """``fn(*args)`` with JAX's default device the first host device."""
+    import jax
+
+    with jax.default_device(devices[0]):
+        return fn(*args)
+
+
 def jax_vjp(fn, q, k, v, do, dtype):
     import jax
     import jax.numpy as jnp
@@ -47,27 +68,27 @@ def jax_vjp(fn, q, k, v, do, dtype):
 @pytest.mark.parametrize("devices,layout,family", [
     (2, "packed", "qsa"), (4, "padded", "adversarial"), (4, "packed", "random"),
 ])
-def test_jax_cp_matches_single_device(devices, layout, family):
+def test_jax_cp_matches_single_device(host_devices, devices, layout, family):
     import jax
     from jax.sharding import Mesh
 
     from qsa_jax import sparse_gqa_attention
     from qsa_jax.context_parallel import context_parallel_sparse_gqa_attention as cp
 
-    assert len(jax.devices()) >= devices, "conftest asks XLA for 4 host devices"
     rng = np.random.default_rng()
     routes, q, k, v, do = problem_and_inputs(rng, layout, family, 32)
-    mesh = Mesh(np.array(jax.devices()[:devices]), ("cp",))
+    mesh = Mesh(np.array(host_devices[:devices]), ("cp",))
     cp_fn = jax.jit(lambda a, b, c: cp(a, b, c, routes, 0.4, mesh=mesh, implementation="xla"))
     out, got = jax_vjp(cp_fn, q, k, v, do, "float32")
-    assert len(out.sharding.device_set) == devices and not out.sharding.is_fully_replicated
-    _, single = jax_vjp(lambda a, b, c: sparse_gqa_attention(a, b, c, routes, 0.4, implementation="xla"),
+    assert out.sharding.device_set == set(host_devices[:devices]) and not out.sharding.is_fully_replicated
+    _, single = on_host(host_devices, jax_vjp,
+                        lambda a, b, c: sparse_gqa_attention(a, b, c, routes, 0.4, implementation="xla"),
                         q, k, v, do, "float32")
     want = oracle_forward_backward(q, k, v, routes, 0.4, do)
     assert_close(got, single, want, "float32", f"jax cp x{devices} {layout}/{family}")
 
 
-def test_jax_cp_on_a_2d_mesh_with_vma_check_and_bf16():
+def test_jax_cp_on_a_2d_mesh_with_vma_check_and_bf16(host_devices):
     import jax
     from jax.sharding import Mesh
 
@@ -76,15 +97,17 @@ def test_jax_cp_on_a_2d_mesh_with_vma_check_and_bf16():
 
     rng = np.random.default_rng()
     routes, q, k, v, do = problem_and_inputs(rng, "padded", "qsa", 32, dtype="bfloat16")
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "cp"))
+    mesh = Mesh(np.array(host_devices[:4]).reshape(2, 2), ("dp", "cp"))
     fn = jax.jit(lambda a, b, c: cp(a, b, c, routes, mesh=mesh, batch_axis="dp", check_vma=True))
-    _, got = jax_vjp(fn, q, k, v, do, "bfloat16")
-    _, single = jax_vjp(lambda a, b, c: sparse_gqa_attention(a, b, c, routes), q, k, v, do, "bfloat16")
+    out, got = jax_vjp(fn, q, k, v, do, "bfloat16")
+    assert out.sharding.device_set == set(host_devices[:4])
+    _, single = on_host(host_devices, jax_vjp, lambda a, b, c: sparse_gqa_attention(a, b, c, routes),
+                        q, k, v, do, "bfloat16")
     want = oracle_forward_backward(q, k, v, routes, DIM ** -0.5, do)
     assert_close(got, single, want, "bfloat16", "jax cp 2x2 bf16")
 
 
-def test_jax_cp_passes_deterministic_and_kernel_options_through():
+def test_jax_cp_passes_deterministic_and_kernel_options_through(host_devices):
     """``deterministic`` (and ``interpret``, ``block_sizes``) reach every device's call:
     the xla implementation (deterministic on CPU) gives the same bits twice and the
     oracle's values; Pallas (fp32 atomics) declines deterministic=True."""
@@ -97,7 +120,7 @@ def test_jax_cp_passes_deterministic_and_kernel_options_through():
 
     rng = np.random.default_rng()
     routes, q, k, v, do = problem_and_inputs(rng, "packed", "adversarial", 32)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("cp",))
+    mesh = Mesh(np.array(host_devices[:2]), ("cp",))
     fn = jax.jit(lambda a, b, c: cp(a, b, c, routes, 0.4, mesh=mesh, implementation="xla", deterministic=True))
     runs = [jax_vjp(fn, q, k, v, do, "float32")[1] for _ in range(2)]
     for a, b in zip(*runs):
@@ -113,18 +136,17 @@ def test_jax_cp_passes_deterministic_and_kernel_options_through():
     assert relative_error(np.asarray(out, np.float64), want[0]) < 1e-5
     with pytest.raises(TypeError, match="deterministic"):
         cp(*args, routes, mesh=mesh, deterministic="yes")
-    # interpret and block_sizes reach the devices' calls: off a GPU, interpret=False makes
-    # Pallas decline; a block-size class of another implementation does too
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        with pytest.raises(NotImplementedError, match="GPUs only"):
-            cp(*args, routes, 0.4, mesh=mesh, implementation="pallas", interpret=False)
+    # interpret and block_sizes reach the devices' calls: on the host mesh, interpret=False
+    # makes Pallas decline; a block-size class of another implementation does too
+    with pytest.raises(NotImplementedError, match="GPUs only"):
+        cp(*args, routes, 0.4, mesh=mesh, implementation="pallas", interpret=False)
     from qsa_triton.config import BlockSizes as TritonBlockSizes
 
     with pytest.raises(NotImplementedError, match="block_sizes"):
         cp(*args, routes, 0.4, mesh=mesh, implementation="pallas", interpret=True, block_sizes=TritonBlockSizes())
 
 
-def test_jax_cp_rejects_bad_layouts():
+def test_jax_cp_rejects_bad_layouts(host_devices):
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
@@ -133,7 +155,7 @@ def test_jax_cp_rejects_bad_layouts():
 
     rng = np.random.default_rng()
     routes, q, k, v, _ = problem_and_inputs(rng, "packed", "qsa", 30, batch=1)
-    mesh = Mesh(np.array(jax.devices()[:4]), ("cp",))
+    mesh = Mesh(np.array(host_devices[:4]), ("cp",))
     args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
     with pytest.raises(ValueError, match="S_q = 30 is not divisible"):
         cp(*args, routes, mesh=mesh)
@@ -217,7 +239,10 @@ def _torch_worker(rank, world, init_file, case_file, out_dir):
         dist.destroy_process_group()
 
 
-def spawn(fn, world, args, timeout=120.0):
+def spawn(fn, world, args, timeout=300.0):
+    """Run ``fn`` on ``world`` spawned processes; fail (naming the exit codes) if one
+    fails or they are not done in ``timeout`` s (each imports torch: slow on a loaded
+    2-core CI machine)."""
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
@@ -227,7 +252,8 @@ def spawn(fn, world, args, timeout=120.0):
             for p in ctx.processes:
                 if p.is_alive():
                     p.terminate()
-            pytest.fail(f"distributed workers did not finish in {timeout}s")
+            pytest.fail(f"distributed workers did not finish in {timeout}s "
+                        f"(exit codes {[p.exitcode for p in ctx.processes]})")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -554,6 +555,63 @@ def test_handle_lifecycle_and_errors(upstream, caplog):
 
     layer.__class__ = Custom
     with pytest.raises(RuntimeError, match="overrides forward"):
+        upstream.use_qsa_torch(layer)
+
+
+def test_copies_of_a_routed_layer(upstream, monkeypatch):
+    """deepcopy keeps calling our op, torch.save/torch.load gives upstream's methods back;
+    neither copy belongs to the handle, and each can be routed (and restored) afresh."""
+    import copy
+    import io
+
+    import torch
+
+    qsa = upstream_module("qsa")
+    cls = upstream_module("layers").Qwen3_8_FlashNextQSAAttention
+    config = small_config("float32")
+    layer = qsa_layer(config, "float32")
+    x, grad, kwargs = layout_inputs(config, "padded", "float32")
+    want = train_step(layer, x, grad, **kwargs)
+    route = upstream.use_qsa_torch(layer, backend="reference")
+
+    copied = copy.deepcopy(layer)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for clone in (copied, loaded):
+        assert clone is not layer and {"forward", "_select_routes"} <= vars(clone).keys()
+        assert clone.forward.__self__ is clone
+    assert loaded.forward.__func__ is cls.forward and loaded._select_routes.__func__ is cls._select_routes
+
+    with count_calls(monkeypatch, qsa, "gathered_qsa_gqa_attention") as oracle, OpCounter() as ops:
+        got = train_step(copied, x, grad, **kwargs)
+    assert oracle[0] == 0 and ops.counts["sparse_gqa_attention"] == 1, ops.counts
+    assert_same(got, want, "float32", "deepcopy")
+    with count_calls(monkeypatch, qsa, "gathered_qsa_gqa_attention") as oracle, OpCounter() as ops:
+        got = train_step(loaded, x, grad, **kwargs)
+    assert oracle[0] > 0 and not ops.counts
+    assert_same(got, want, "float32", "loaded")
+
+    # the original is still routed by its handle; the copies are routable
+    with pytest.raises(RuntimeError, match="already routed"):
+        upstream.use_qsa_torch(layer)
+    for clone in (copied, loaded):
+        again = upstream.use_qsa_torch(clone, backend="reference")
+        with pytest.raises(RuntimeError, match="already routed"):
+            upstream.use_qsa_torch(clone)
+        with OpCounter() as ops:
+            got = train_step(clone, x, grad, **kwargs)
+        assert ops.counts["sparse_gqa_attention"] == 1, ops.counts
+        assert_same(got, want, "float32", "rerouted")
+        again.restore()
+        assert "forward" not in vars(clone) and "_select_routes" not in vars(clone)
+    assert route.active and layer.forward.__func__ is not cls.forward
+    route.restore()
+    assert "forward" not in vars(layer) and "_select_routes" not in vars(layer)
+    # a foreign method bound to the layer is still refused
+    layer.forward = types.MethodType(lambda self, *a, **k: None, layer)
+    with pytest.raises(RuntimeError, match="own instance attribute 'forward'"):
         upstream.use_qsa_torch(layer)
 
 

@@ -75,6 +75,8 @@ def test_random_and_adversarial_families():
 
 
 def test_same_seed_same_routes_across_frameworks():
+    import torch
+
     from qsa_jax.routes import generate_problem as jax_problem
     from qsa_torch.routes import generate_problem as torch_problem
 
@@ -82,7 +84,9 @@ def test_same_seed_same_routes_across_frameworks():
         for fam in ("qsa", "random", "adversarial"):
             t, tp = torch_problem(layout, fam, seed=11, seq_len=40, width=12)
             j, jp = jax_problem(layout, fam, seed=11, seq_len=40, width=12)
-            assert np.array_equal(t.numpy(), tp.routes)
+            # the wrapper hands over the numpy generator's routes unchanged (values and dtype)
+            want = make_problem(layout, fam, seed=11, seq_len=40, width=12).routes
+            assert t.dtype == torch.int64 and np.array_equal(t.numpy(), want)
             assert canonical_sets(np.asarray(j), jp.kv_length) == canonical_sets(tp.routes, tp.kv_length)
 
 

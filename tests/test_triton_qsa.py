@@ -623,6 +623,35 @@ def test_int64_offsets_against_the_oracle():
         assert relative_error(g, w) < 1e-5, name
 
 
+def _head_dim_outermost(values: np.ndarray, stride_d: int) -> torch.Tensor:
+    """``values`` [B, S, H, D] as a view whose head-dim stride is ``stride_d`` elements,
+    over storage of ``(D - 1) * stride_d + B * S * H`` fp32 elements (untouched pages
+    are never committed, so a huge stride costs address space, not memory)."""
+    b, s, h, d = values.shape
+    storage = torch.empty((d - 1) * stride_d + b * s * h, dtype=torch.float32, device=DEVICE)
+    view = torch.as_strided(storage, values.shape, (s * h, h, 1, stride_d))
+    view.copy_(torch.from_numpy(values))
+    return view
+
+
+def test_head_dim_strides_past_int32_against_the_oracle():
+    """A query and output gradient with the head dim outermost, so that (D - 1) * stride
+    passes 2**31 while the stride itself fits int32: the kernels' Q/dO offsets must not
+    wrap (they read outside the tensor when they did)."""
+    rng = _fresh_rng()
+    problem = make_problem("padded", "adversarial", seed=int(rng.integers(2**31)), seq_len=6, width=4)
+    q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, (2, 1), 16, "float32")
+    stride_d = 2**31 // 15 + 8  # < 2**31, while 15 * stride_d > 2**31
+    tq = _head_dim_outermost(q, stride_d).requires_grad_(True)
+    grad = _head_dim_outermost(do, stride_d)
+    assert tq.stride(-1) < 2**31 <= (tq.shape[-1] - 1) * tq.stride(-1)
+    tk, tv = (torch.tensor(x, dtype=torch.float32, device=DEVICE, requires_grad=True) for x in (k, v))
+    out = triton_sparse_gqa_attention(tq, tk, tv, torch.from_numpy(problem.routes).to(DEVICE),
+                                      softmax_scale=0.3, block_sizes=SMALL)
+    out.backward(grad)
+    want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, tq.grad, tk.grad, tv.grad), want):
+        assert relative_error(got.detach().double().cpu().numpy(), ref) < 1e-5, name
 @pytest.mark.parametrize("layout, family, heads, blocks", [
     ("packed", "adversarial", (6, 2), MEDIUM),  # padded tiles, head padding
     ("padded", "qsa", (12, 1), dataclasses.replace(SMALL, block_m=32, flatten_heads=True)),  # flat

@@ -40,6 +40,13 @@ the FlexAttention mask, so its ``[B, S_q, S_kv]`` table is not built). The modul
 ``restore()`` deletes the two attributes. The copied namespace is a snapshot taken
 when the route is installed.
 
+The route belongs to its handle and the layer objects it was installed on. Copies keep
+the two attributes but belong to no handle: ``copy.deepcopy`` of a routed layer (or
+model) gives one that still calls the same dispatch, and one pickled (``torch.save``,
+then ``torch.load``) comes back with upstream's own methods bound as the attributes.
+:func:`use_qsa_torch` on such a copy replaces the leftovers, and its handle's
+``restore()`` removes them. The state dict never carries the route.
+
 The replacement dispatch accepts exactly upstream's signature and ignores ``backend``
 (upstream's kernel choice) and ``flex_mask``. With ``backend="auto"`` it leaves
 non-CUDA tensors to upstream's own dispatch (CPU runs keep upstream's oracle) and
@@ -61,6 +68,7 @@ import importlib.metadata
 import inspect
 import logging
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -219,6 +227,10 @@ def _rebound(fn: types.FunctionType, **names) -> types.FunctionType:
     return new
 
 
+# layer -> the methods an active handle installed on it (copies of a layer are not keys)
+_ACTIVE: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, types.MethodType]] = weakref.WeakKeyDictionary()
+
+
 class AttentionRoute:
     """Handle of an installed route; :meth:`restore` undoes it (also on ``with`` exit).
 
@@ -247,6 +259,8 @@ class AttentionRoute:
         installed, self._installed = self._installed, []
         foreign = []
         for layer, methods in installed:
+            if _ACTIVE.get(layer) is methods:
+                del _ACTIVE[layer]
             for name, method in methods.items():
                 if layer.__dict__.get(name) is method:
                     delattr(layer, name)
@@ -267,15 +281,25 @@ class AttentionRoute:
         return f"AttentionRoute({len(self.layers)} layer(s), {state})"
 
 
+def _leftover(layer: torch.nn.Module, name: str, current, upstream: _Upstream) -> bool:
+    """Whether instance attribute ``name`` is a route's copied remains: a method bound to
+    ``layer`` itself of a routed function (``copy.deepcopy``) or of upstream's own
+    (unpickled: pickle stores a bound method as ``getattr(layer, name)``)."""
+    return (isinstance(current, types.MethodType) and current.__self__ is layer
+            and (getattr(current.__func__, _MARK, False)
+                 or current.__func__ is upstream.layer_class.__dict__[name]))
+
+
 def _check_routable(layer: torch.nn.Module, upstream: _Upstream) -> None:
     for name in _HOOKED:
         current = layer.__dict__.get(name)
         if current is not None:
-            if getattr(getattr(current, "__func__", None), _MARK, False):
+            if _ACTIVE.get(layer, {}).get(name) is current:
                 raise RuntimeError(f"{type(layer).__name__} (layer_idx {getattr(layer, 'layer_idx', '?')}) "
                                    "is already routed by an active handle; restore() it first")
-            raise RuntimeError(f"{type(layer).__name__} has its own instance attribute {name!r}; "
-                               "cannot route its attention")
+            if not _leftover(layer, name, current, upstream):
+                raise RuntimeError(f"{type(layer).__name__} has its own instance attribute {name!r}; "
+                                   "cannot route its attention")
         if getattr(type(layer), name) is not getattr(upstream.layer_class, name):
             raise RuntimeError(f"{type(layer).__qualname__} overrides {name}; only upstream's "
                                f"{_LAYER_CLASS}.{name} can be routed")
@@ -335,6 +359,7 @@ def _route(model_or_layer, dispatch, build_flex_mask: bool, upstream: _Upstream)
         methods = {name: types.MethodType(fn, layer) for name, fn in functions.items()}
         for name, method in methods.items():
             setattr(layer, name, method)
+        _ACTIVE[layer] = methods
         installed.append((layer, methods))
     return AttentionRoute(installed, dispatch)
 

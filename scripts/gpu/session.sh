@@ -16,6 +16,7 @@
 #   a kernel change, in one call (carry .whl):    bash scripts/gpu/session.sh spot
 #   Nsight Compute of both kernels (warm):        bash scripts/gpu/session.sh profile
 #   main's whole GPU check, no timing (carry .whl): bash scripts/gpu/session.sh complete
+#     (also the layers', integrations' and CP tests, and the one-rank NCCL CP check)
 #   the side-by-side timing, both head configs (carry .whl): bash scripts/gpu/session.sh final
 #   the same without the forward probe, then the deterministic probe (carry .whl): bash scripts/gpu/session.sh sweep
 #   torch's host time per step, S=8192 beside dense (carry .whl): bash scripts/gpu/session.sh host
@@ -183,6 +184,9 @@ complete)
   beside gpu_tests 470 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_backward_sm90.py \
     tests/test_triton_qsa.py tests/test_triton_deterministic.py tests/test_jax_triton.py tests/test_torch_api.py
   beside stress 470 python3 scripts/gpu/stress_bitwise.py --out "$R/stress" --budget-s 420
+  beside layer_tests 470 python3 -m pytest -q -p no:cacheprovider tests/test_nemo_automodel_integration.py \
+    tests/test_layers.py tests/test_context_parallel.py tests/test_validation.py tests/test_pallas_qsa.py
+  beside cp_one_rank 200 python3 scripts/gpu/check_cp_one_rank.py
   memcheck_all
   wait
   ;;
