@@ -129,16 +129,15 @@ def gpu_capability(x: Any) -> tuple[int, int] | None:
     """CUDA compute capability ``(major, minor)`` of the GPU ``x`` lives on (for
     tracers and host arrays, of :func:`_default_devices`' first), or None where that
     is not a CUDA GPU or does not say."""
-    for device in _devices(x) or _default_devices():
-        text = getattr(device, "compute_capability", None)
-        if device.platform in _GPU_PLATFORMS and isinstance(text, str):
-            try:
-                major, minor = text.split(".")[:2]
-                return int(major), int(minor)
-            except ValueError:
-                return None
+    device = next(iter(_devices(x) or _default_devices()))
+    text = getattr(device, "compute_capability", None)
+    if device.platform not in _GPU_PLATFORMS or not isinstance(text, str):
         return None
-    return None
+    try:
+        major, minor = text.split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
 
 
 def validate_inputs(

@@ -434,6 +434,32 @@ def test_gpu_capability_of_where_an_array_lives():
         assert host is None
 
 
+def test_tracers_follow_the_default_device():
+    """Tracers say nothing of where they live: on_gpu / gpu_capability answer for
+    ``jax.default_device`` where it is set (a device or a platform name), else for the
+    default backend, both in and out of jit."""
+    import jax
+    import jax.numpy as jnp
+
+    from qsa_jax.routes import gpu_capability, on_gpu
+
+    seen = []
+
+    @jax.jit
+    def probe(x):
+        seen.append((on_gpu(x), gpu_capability(x)))
+        return x
+
+    gpu = jax.default_backend() == "gpu"
+    for pinned in (None, jax.devices("cpu")[0], "cpu"):
+        seen.clear()
+        with jax.default_device(pinned):
+            probe(jnp.zeros(3))  # the default device is part of jit's cache key: traced each time
+            assert on_gpu(np.zeros(3)) == (gpu and pinned is None)
+        assert seen and seen[0][0] == (gpu and pinned is None)
+        assert (seen[0][1] is not None) == (gpu and pinned is None)
+
+
 @pytest.mark.parametrize("heads, flat", [((3, 1), True), ((4, 2), False)])
 def test_transposed_dkdv_adds_against_the_oracle(heads, flat):
     """The backward's dK/dV blocks, computed and added transposed, give the oracle's
