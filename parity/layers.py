@@ -751,8 +751,10 @@ def settle_by_rounding(summary: dict, entries: list, examples: int = 3) -> None:
 
 def _ulps(a, b, dtype: str) -> float:
     """Largest ``|a - b|`` in units in the last place of ``dtype`` at ``max(|a|, |b|)``."""
+    import ml_dtypes
+
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    info = np.finfo(_np_dtype(dtype))
+    info = ml_dtypes.finfo(_np_dtype(dtype))  # numpy >= 2.3's finfo refuses ml_dtypes' bfloat16
     big = np.maximum(np.maximum(np.abs(a), np.abs(b)), float(info.tiny))
     ulp = 2.0 ** (np.floor(np.log2(big)) - info.nmant)
     return float((np.abs(a - b) / ulp).max())

@@ -7,7 +7,10 @@ was a missing runtime, else ``NotImplementedError``). ``None`` means
 :data:`GPU_DEFAULT` when the inputs live on GPUs (the ``qsa_triton`` kernels
 through jax-triton, JAX's own Pallas kernels where jax-triton is absent, and the
 reference for what the kernels refuse, e.g. D > 256 or float64) and ``"xla"``
-elsewhere.
+elsewhere. Where the inputs live: a concrete array's devices; inside ``jax.jit`` (tracers)
+and for host arrays, the platform of ``jax.default_device`` where one is set, else the
+default backend's (so a jitted call on CPU arrays on a host with GPUs picks the GPU path
+unless ``jax.default_device`` says otherwise).
 
 int64 routes: pass them as numpy arrays (they are checked on the host, so IDs
 past int32 stay padding). A jax array, or a ``jax.jit`` argument, is already

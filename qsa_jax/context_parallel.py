@@ -14,8 +14,11 @@ dK/dV of its own slice, summed over all devices' queries.
 Inside the map the arrays are tracers, which do not say where they live, and
 :func:`qsa_jax.sparse_gqa_attention` picks its implementation for the platform of
 ``jax.default_device`` (else the default backend): while the map is traced, the
-wrapper sets ``jax.default_device`` to the mesh's first device where the mesh is on
-another platform (e.g. a CPU mesh on a host with GPUs).
+wrapper sets ``jax.default_device`` to the mesh's platform where that differs (e.g. a
+CPU mesh on a host with GPUs). Only the forward is traced there: rules traced later
+(``custom_vjp`` backward rules, under ``jax.grad``) see the caller's default device,
+which matters only to choices they make themselves (e.g. the Triton backward's Hopper
+kernel); the implementation itself is chosen with the forward.
 
 Works with ``jax.shard_map`` (jax >= 0.6, so 0.10.2 and 0.11.2) and falls back to
 ``jax.experimental.shard_map`` where the former is missing.
@@ -138,7 +141,7 @@ def context_parallel_sparse_gqa_attention(
         implementation=implementation, block_sizes=block_sizes, interpret=interpret, deterministic=deterministic,
     )
     mapped = shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, check_vma=check_vma)
-    first = mesh.devices.flat[0]
-    same = first.platform == _default_devices()[0].platform
-    with contextlib.nullcontext() if same else jax.default_device(first):
+    platform = mesh.devices.flat[0].platform
+    same = platform == _default_devices()[0].platform
+    with contextlib.nullcontext() if same else jax.default_device(platform):
         return mapped(query, key, value, routes)

@@ -113,8 +113,8 @@ def _default_devices() -> tuple:
     device = jax.config.jax_default_device
     if device is None:
         return tuple(jax.devices())
-    if isinstance(device, str):
-        return tuple(jax.devices(device))
+    if isinstance(device, str):  # a platform name: JAX uses its first local device
+        return tuple(jax.local_devices(backend=device))
     return (device,)
 
 

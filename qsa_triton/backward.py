@@ -103,7 +103,7 @@ def qsa_backward_kernel(
     """
     tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask, count = program_tile(
         COUNT, B, S_q, N_TILES, HKV, G, D, N_CHUNKS, HB, T, D_PAD, FLAT, FOLD)
-    # Q/O/dO/dQ offsets in int64: OFFS32 covers K/V/dK/dV only, and d * stride can pass int32
+    # Q/O/dO/dQ offsets in int64 (d * stride can pass int32; the host's OFFS32 check is of K/V/dK/dV)
     d64 = d.to(tl.int64)
 
     lse = tl.load(LSE + b64 * sl_b + head * sl_h + row64 * sl_s, mask=row_ok, other=float("inf"))

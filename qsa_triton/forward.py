@@ -64,7 +64,7 @@ def qsa_forward_kernel(
     """
     tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask, count = program_tile(
         COUNT, B, S_q, N_TILES, HKV, G, D, N_CHUNKS, HB, T, D_PAD, FLAT, FOLD)
-    # Q/O/dO/dQ offsets in int64: OFFS32 covers K/V/dK/dV only, and d * stride can pass int32
+    # Q/O/dO/dQ offsets in int64 (d * stride can pass int32; the host's OFFS32 check is of K/V/dK/dV)
     d64 = d.to(tl.int64)
 
     q_ptr = Q + b64 * sq_b + row64[:, None] * sq_s + head[:, None] * sq_h + d64[None, :] * sq_d

@@ -162,6 +162,7 @@ def gather_chunk(start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s,
     bits = tl.load(rowbits + u, mask=u_ok, other=0)
     if not OFFS32:
         rows = rows.to(tl.int64)
+        d = d.to(tl.int64)
     k_off = rows[:, None] * sk_s + d[None, :] * sk_d
     v_off = rows[:, None] * sv_s + d[None, :] * sv_d
     if EVEN_D:

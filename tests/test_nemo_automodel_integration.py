@@ -613,6 +613,27 @@ def test_copies_of_a_routed_layer(upstream, monkeypatch):
     layer.forward = types.MethodType(lambda self, *a, **k: None, layer)
     with pytest.raises(RuntimeError, match="own instance attribute 'forward'"):
         upstream.use_qsa_torch(layer)
+    del layer.forward
+
+    # a copy of the handle owns nothing; the original still restores
+    route = upstream.use_qsa_torch(layer, backend="reference")
+    for twin in (copy.copy(route), copy.deepcopy(route)):
+        assert not twin.active and twin.layers == ()
+        twin.restore()
+    assert route.active and "forward" in vars(layer)
+    route.restore()
+    assert "forward" not in vars(layer)
+
+    # a routed layer dropped without restore() is freed (the registry holds no reference)
+    import gc
+    import weakref
+
+    dropped = qsa_layer(config, "float32")
+    upstream.use_qsa_torch(dropped, backend="reference")
+    ref = weakref.ref(dropped)
+    del dropped
+    gc.collect()
+    assert ref() is None
 
 
 def test_unknown_upstream_versions(upstream, monkeypatch, caplog):

@@ -460,6 +460,24 @@ def test_tracers_follow_the_default_device():
         assert (seen[0][1] is not None) == (gpu and pinned is None)
 
 
+def test_host_arrays_follow_the_default_device_beside_a_gpu(monkeypatch):
+    """As if the host had a GPU (``jax.devices()`` reporting one): host arrays are on it
+    unless ``jax.default_device`` pins the CPU."""
+    import jax
+
+    from qsa_jax import routes
+
+    class FakeGpu:
+        platform, compute_capability = "gpu", "9.0"
+
+    monkeypatch.setattr(routes.jax, "devices", lambda *backend: [FakeGpu()] if not backend else jax.local_devices(
+        backend=backend[0]))
+    assert routes.on_gpu(np.zeros(3)) and routes.gpu_capability(np.zeros(3)) == (9, 0)
+    for pinned in (jax.local_devices(backend="cpu")[0], "cpu"):
+        with jax.default_device(pinned):
+            assert not routes.on_gpu(np.zeros(3)) and routes.gpu_capability(np.zeros(3)) is None
+
+
 @pytest.mark.parametrize("heads, flat", [((3, 1), True), ((4, 2), False)])
 def test_transposed_dkdv_adds_against_the_oracle(heads, flat):
     """The backward's dK/dV blocks, computed and added transposed, give the oracle's

@@ -634,24 +634,31 @@ def _head_dim_outermost(values: np.ndarray, stride_d: int) -> torch.Tensor:
     return view
 
 
-def test_head_dim_strides_past_int32_against_the_oracle():
-    """A query and output gradient with the head dim outermost, so that (D - 1) * stride
-    passes 2**31 while the stride itself fits int32: the kernels' Q/dO offsets must not
-    wrap (they read outside the tensor when they did)."""
+@pytest.mark.parametrize("outermost", ["q, dO", "k, v"])
+def test_head_dim_strides_past_int32_against_the_oracle(outermost):
+    """Operands with the head dim outermost, so that (D - 1) * stride passes 2**31 while the
+    stride itself fits int32: no offset may wrap (the kernels read outside the tensors when
+    the Q/dO offsets, or with 64-bit K/V offsets the K/V head-dim term, did)."""
     rng = _fresh_rng()
     problem = make_problem("padded", "adversarial", seed=int(rng.integers(2**31)), seq_len=6, width=4)
     q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, (2, 1), 16, "float32")
     stride_d = 2**31 // 15 + 8  # < 2**31, while 15 * stride_d > 2**31
-    tq = _head_dim_outermost(q, stride_d).requires_grad_(True)
-    grad = _head_dim_outermost(do, stride_d)
-    assert tq.stride(-1) < 2**31 <= (tq.shape[-1] - 1) * tq.stride(-1)
-    tk, tv = (torch.tensor(x, dtype=torch.float32, device=DEVICE, requires_grad=True) for x in (k, v))
+    wide = {"q, dO": ("q", "do"), "k, v": ("k", "v")}[outermost]
+    values = {"q": q, "k": k, "v": v, "do": do}
+    tensors = {name: _head_dim_outermost(x, stride_d) if name in wide
+               else torch.tensor(x, dtype=torch.float32, device=DEVICE) for name, x in values.items()}
+    for name in wide:
+        t = tensors[name]
+        assert t.stride(-1) < 2**31 <= (t.shape[-1] - 1) * t.stride(-1)
+    tq, tk, tv = (tensors[n].requires_grad_(True) for n in ("q", "k", "v"))
     out = triton_sparse_gqa_attention(tq, tk, tv, torch.from_numpy(problem.routes).to(DEVICE),
                                       softmax_scale=0.3, block_sizes=SMALL)
-    out.backward(grad)
+    out.backward(tensors["do"])
     want = oracle_forward_backward(q, k, v, problem.routes, 0.3, do)
     for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, tq.grad, tk.grad, tv.grad), want):
         assert relative_error(got.detach().double().cpu().numpy(), ref) < 1e-5, name
+
+
 @pytest.mark.parametrize("layout, family, heads, blocks", [
     ("packed", "adversarial", (6, 2), MEDIUM),  # padded tiles, head padding
     ("padded", "qsa", (12, 1), dataclasses.replace(SMALL, block_m=32, flatten_heads=True)),  # flat

@@ -37,11 +37,11 @@ which ``qsa_gqa_attention`` is the replacement dispatch, and ``_select_routes``
 likewise with ``build_flex_qsa_mask`` returning ``None`` (the replacement never reads
 the FlexAttention mask, so its ``[B, S_q, S_kv]`` table is not built). The module
 ``layers.py``, the class, other layers, parameters and the state dict are untouched;
-``restore()`` deletes the two attributes. The copied namespace is a snapshot taken
+``restore()`` deletes the attributes. The copied namespace is a snapshot taken
 when the route is installed.
 
 The route belongs to its handle and the layer objects it was installed on. Copies keep
-the two attributes but belong to no handle: ``copy.deepcopy`` of a routed layer (or
+the attributes but belong to no handle (a copy of the handle owns nothing): ``copy.deepcopy`` of a routed layer (or
 model) gives one that still calls the same dispatch, and one pickled (``torch.save``,
 then ``torch.load``) comes back with upstream's own methods bound as the attributes.
 :func:`use_qsa_torch` on such a copy replaces the leftovers, and its handle's
@@ -227,8 +227,15 @@ def _rebound(fn: types.FunctionType, **names) -> types.FunctionType:
     return new
 
 
-# layer -> the methods an active handle installed on it (copies of a layer are not keys)
-_ACTIVE: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, types.MethodType]] = weakref.WeakKeyDictionary()
+# layer -> the functions whose methods an active handle installed on it (copies of a layer
+# are not keys; the values hold no reference to the layer, so a dropped layer is freed)
+_ACTIVE: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, types.FunctionType]] = weakref.WeakKeyDictionary()
+
+
+def _installed_by_active_handle(layer: torch.nn.Module, name: str, current) -> bool:
+    function = _ACTIVE.get(layer, {}).get(name)
+    return (function is not None and isinstance(current, types.MethodType) and current.__self__ is layer
+            and current.__func__ is function)
 
 
 class AttentionRoute:
@@ -259,7 +266,7 @@ class AttentionRoute:
         installed, self._installed = self._installed, []
         foreign = []
         for layer, methods in installed:
-            if _ACTIVE.get(layer) is methods:
+            if all(_installed_by_active_handle(layer, name, method) for name, method in methods.items()):
                 del _ACTIVE[layer]
             for name, method in methods.items():
                 if layer.__dict__.get(name) is method:
@@ -269,6 +276,14 @@ class AttentionRoute:
         if foreign:
             raise RuntimeError("AttentionRoute.restore: replaced since the route was installed, "
                                f"left as found: {', '.join(foreign)}")
+
+    def __copy__(self) -> AttentionRoute:
+        """A copy of a handle owns nothing (restored state): the route stays with this one."""
+        return AttentionRoute([], self.dispatch)
+
+    def __deepcopy__(self, memo) -> AttentionRoute:
+        """As :meth:`__copy__`: layers copied beside it are leftovers no handle owns."""
+        return AttentionRoute([], self.dispatch)
 
     def __enter__(self) -> AttentionRoute:
         return self
@@ -294,7 +309,7 @@ def _check_routable(layer: torch.nn.Module, upstream: _Upstream) -> None:
     for name in _HOOKED:
         current = layer.__dict__.get(name)
         if current is not None:
-            if _ACTIVE.get(layer, {}).get(name) is current:
+            if _installed_by_active_handle(layer, name, current):
                 raise RuntimeError(f"{type(layer).__name__} (layer_idx {getattr(layer, 'layer_idx', '?')}) "
                                    "is already routed by an active handle; restore() it first")
             if not _leftover(layer, name, current, upstream):
@@ -359,7 +374,7 @@ def _route(model_or_layer, dispatch, build_flex_mask: bool, upstream: _Upstream)
         methods = {name: types.MethodType(fn, layer) for name, fn in functions.items()}
         for name, method in methods.items():
             setattr(layer, name, method)
-        _ACTIVE[layer] = methods
+        _ACTIVE[layer] = functions
         installed.append((layer, methods))
     return AttentionRoute(installed, dispatch)
 
