@@ -41,9 +41,10 @@ the FlexAttention mask, so its ``[B, S_q, S_kv]`` table is not built). The modul
 when the route is installed.
 
 The route belongs to its handle and the layer objects it was installed on. Copies keep
-the attributes but belong to no handle (a copy of the handle owns nothing): ``copy.deepcopy`` of a routed layer (or
-model) gives one that still calls the same dispatch, and one pickled (``torch.save``,
-then ``torch.load``) comes back with upstream's own methods bound as the attributes.
+the attributes but belong to no handle (and a copy of the handle owns nothing):
+``copy.deepcopy`` of a routed layer (or model) gives one that still calls the same
+dispatch, and one pickled (``torch.save``, then ``torch.load``) comes back with
+upstream's own methods bound as the attributes.
 :func:`use_qsa_torch` on such a copy replaces the leftovers, and its handle's
 ``restore()`` removes them. The state dict never carries the route.
 
