@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from .fixed_point import add_fixed, fixed_point_factors
-from .language import LOG2E_C, SUM, cast, gather_chunk, mm, pair_coordinates, program_tile, program_xy
+from .language import (LOG2E_C, SUM, cast, gather_chunk, mm, pair_coordinates, pair_pointers, program_tile,
+                       program_xy)
 
 
 @triton.jit
@@ -103,8 +104,6 @@ def qsa_backward_kernel(
     """
     tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask, count = program_tile(
         COUNT, B, S_q, N_TILES, HKV, G, D, N_CHUNKS, HB, T, D_PAD, FLAT, FOLD)
-    # Q/O/dO/dQ offsets in int64 (d * stride can pass int32; the host's OFFS32 check is of K/V/dK/dV)
-    d64 = d.to(tl.int64)
 
     lse = tl.load(LSE + b64 * sl_b + head * sl_h + row64 * sl_s, mask=row_ok, other=float("inf"))
     lse_log2 = lse * LOG2E_C
@@ -112,12 +111,9 @@ def qsa_backward_kernel(
     # nothing to any gradient: its q and dO are not read, so whatever they hold cannot
     # reach dK/dV through 0 * NaN
     io_mask = io_mask & (lse != float("inf"))[:, None]
-    q = tl.load(Q + b64 * sq_b + row64[:, None] * sq_s + head[:, None] * sq_h + d64[None, :] * sq_d,
-                mask=io_mask, other=0.0)
-    do = tl.load(DO + b64 * sdo_b + row64[:, None] * sdo_s + head[:, None] * sdo_h
-                 + d64[None, :] * sdo_d, mask=io_mask, other=0.0)
-    o = tl.load(O + b64 * so_b + row64[:, None] * so_s + head[:, None] * so_h + d64[None, :] * so_d,
-                mask=io_mask, other=0.0)
+    q = tl.load(pair_pointers(Q, b64, row64, head, d, sq_b, sq_s, sq_h, sq_d), mask=io_mask, other=0.0)
+    do = tl.load(pair_pointers(DO, b64, row64, head, d, sdo_b, sdo_s, sdo_h, sdo_d), mask=io_mask, other=0.0)
+    o = tl.load(pair_pointers(O, b64, row64, head, d, so_b, so_s, so_h, so_d), mask=io_mask, other=0.0)
     delta = tl.reduce(do.to(tl.float32) * o.to(tl.float32), 1, SUM)
 
     tile_base = (b64 * N_TILES + tile) * UNION_WIDTH
@@ -170,7 +166,7 @@ def qsa_backward_kernel(
     if FOLD > 1:
         row_ok = tl.where(live, row_ok, False)
     io_mask = row_ok[:, None] & d_ok[None, :]
-    dq_ptr = DQ + b64 * sdq_b + row64[:, None] * sdq_s + head[:, None] * sdq_h + d64[None, :] * sdq_d
+    dq_ptr = pair_pointers(DQ, b64, row64, head, d, sdq_b, sdq_s, sdq_h, sdq_d)
     tl.store(dq_ptr, cast(dq * scale, DQ.dtype.element_ty, INTERPRET), mask=io_mask)
 
 

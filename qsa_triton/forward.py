@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .language import LN2_C, MAX, SUM, cast, gather_chunk, mm, program_tile
+from .language import LN2_C, MAX, SUM, cast, gather_chunk, mm, pair_pointers, program_tile
 
 
 @triton.jit
@@ -64,10 +64,8 @@ def qsa_forward_kernel(
     """
     tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask, count = program_tile(
         COUNT, B, S_q, N_TILES, HKV, G, D, N_CHUNKS, HB, T, D_PAD, FLAT, FOLD)
-    # Q/O/dO/dQ offsets in int64 (d * stride can pass int32; the host's OFFS32 check is of K/V/dK/dV)
-    d64 = d.to(tl.int64)
 
-    q_ptr = Q + b64 * sq_b + row64[:, None] * sq_s + head[:, None] * sq_h + d64[None, :] * sq_d
+    q_ptr = pair_pointers(Q, b64, row64, head, d, sq_b, sq_s, sq_h, sq_d)
     q = tl.load(q_ptr, mask=io_mask, other=0.0)
 
     tile_base = (b64 * N_TILES + tile) * UNION_WIDTH
@@ -94,7 +92,7 @@ def qsa_forward_kernel(
     # met on the way) counts as routed, so its LSE is NaN, never +inf (no routes)
     has = l_i != 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    o_ptr = O + b64 * so_b + row64[:, None] * so_s + head[:, None] * so_h + d64[None, :] * so_d
+    o_ptr = pair_pointers(O, b64, row64, head, d, so_b, so_s, so_h, so_d)
     tl.store(o_ptr, cast(out, O.dtype.element_ty, INTERPRET), mask=io_mask)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2_C, float("inf"))
     tl.store(LSE + b64 * sl_b + head * sl_h + row64 * sl_s, lse, mask=row_ok)

@@ -132,6 +132,14 @@ def program_tile(COUNT, B, S_q, N_TILES, HKV, G, D, N_CHUNKS, HB: tl.constexpr, 
 
 
 @triton.jit
+def pair_pointers(base, b64, row64, head, d, s_b, s_s, s_h, s_d):
+    """[M, D_PAD] pointers to the program's (row, head) pairs' head-dim lanes ``d`` in a
+    ``[B, S, H, D]`` operand at ``base`` with strides ``s_*`` (Q, O, dO, dQ), every term in
+    int64: ``d * s_d`` can pass int32, and the host's OFFS32 check covers K/V/dK/dV only."""
+    return base + b64 * s_b + row64[:, None] * s_s + head[:, None] * s_h + d.to(tl.int64)[None, :] * s_d
+
+
+@triton.jit
 def gather_chunk(start, count, union, rowbits, k_base, v_base, sk_s, sk_d, sv_s, sv_d, d, d_ok, t, row_ok,
                  BLOCK_K: tl.constexpr, EVEN_D: tl.constexpr, OFFS32: tl.constexpr):
     """Union chunk [start, start + BLOCK_K): IDs, K/V rows, the [BLOCK_K, D_PAD] mask of
