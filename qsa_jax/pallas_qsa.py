@@ -86,13 +86,15 @@ class BlockSizes:
     @classmethod
     def default(cls, head_dim: int, interpret: bool, dtype=jnp.bfloat16,
                 capability: tuple[int, int] | None = None) -> "BlockSizes":
-        """The defaults. Tuned on H200 for D=256 bf16 (S=32768, (24,2), QSA routes; see
-        docs/benchmarks.md): flat programs of 128 pairs over 64-ID chunks forward and
-        backward, 3 forward stages, the forward's unions reused by the backward. Small
-        tiles in interpret mode; for fp32 inputs tiles that fit 227 KiB of shared memory
-        (fp32 operands take twice the bytes). The tuned 16-bit backward takes 192 KiB per
-        program: GPUs of a known ``capability`` other than SM90/SM100 (227 KiB per block;
-        SM80 has 163, SM120 99) get the small tiles too."""
+        """The defaults. Chosen on H200 for D=256 bf16 (S=32768, (24,2), QSA routes; see
+        docs/benchmarks.md): flat programs over 64-ID chunks, 128 pairs and 3 stages
+        forward, 64 pairs backward (which then sorts its own unions). As jax 0.11's Triton
+        compiles a 128-pair backward, it keeps Q and dO in shared memory twice, as they
+        are and transposed for dK^T and dV^T: 320 KiB at D=256, more than a block may take. Small tiles in interpret
+        mode; for fp32 inputs tiles that fit 227 KiB of shared memory (fp32 operands take
+        twice the bytes). The 16-bit backward takes 192 KiB per program: GPUs of a known
+        ``capability`` other than SM90/SM100 (227 KiB per block; SM80 has 163, SM120 99)
+        get the small tiles too."""
         if interpret:
             return cls(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
         small_memory = capability is not None and capability[0] not in (9, 10)
@@ -100,7 +102,7 @@ class BlockSizes:
             return cls(block_m=64, block_k=16, num_stages=1, block_m_bwd=32, block_k_bwd=16)
         if head_dim <= 128:  # not measured at these head dims
             return cls(block_m=128, block_k=64, num_stages=2, block_m_bwd=128, block_k_bwd=32)
-        return cls(flatten_heads=True, block_m_bwd=128)
+        return cls(flatten_heads=True)
 
 
 # --------------------------------------------------------------------- launchers

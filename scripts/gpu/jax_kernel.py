@@ -1,14 +1,15 @@
 """GPU check and timing of the JAX kernels (run on the H200 host).
 
     python3 scripts/gpu/jax_kernel.py --out $OUT [--check] [--time] [--sizes 8192,32768]
-        [--implementations pallas,triton]
+        [--check-implementations pallas,triton] [--configs triton,pallas] [--overlap 0.8]
 
 --check: bf16 out/dq/dk/dv vs the XLA reference on padded, packed and CP layouts,
 (24,2) and (12,1), D=256, QSA routes (top_k 512) and adversarial routes.
 --time: forward and forward+backward medians of each implementation (Pallas under
 several block configurations; ``triton``, the qsa_triton kernels through jax-triton,
 needs ``source /tmp/qsa-site/env.sh``) and of dense causal cuDNN attention in the same
-run, on QSA-format routes, B=1, (24,2), D=256.
+run, on QSA-format routes (with --overlap, the benchmark's routes at that adjacent-row
+Jaccard target), B=1, (24,2), D=256.
 Writes jax_kernel.json under --out.
 """
 
@@ -77,7 +78,7 @@ def check(results, seq_len, heads_list=((24, 2), (12, 1)), dtype="bfloat16", imp
                 log(f"check {name}: ERROR {err!r}")
 
 
-def timing(results, sizes, configs):
+def timing(results, sizes, configs, overlap=None):
     import jax
     import jax.numpy as jnp
 
@@ -88,7 +89,11 @@ def timing(results, sizes, configs):
     hq, hkv, d = 24, 2, 256
     for s in sizes:
         t0 = time.time()
-        routes_np = qsa_format_routes(s, top_k=512, rng=np.random.default_rng(s))[None].astype(np.int32)
+        if overlap is None:
+            routes_np = qsa_format_routes(s, top_k=512, rng=np.random.default_rng(s))[None].astype(np.int32)
+        else:  # the benchmark's routes (python -m parity.bench --overlaps, seed 0)
+            from parity.bench_routes import _make_routes, overlap_label
+            routes_np = _make_routes(s, overlap_label(overlap), 512, 0).astype(np.int32)  # [1, S, W]
         n_routes = int((routes_np >= 0).sum())
         log(f"S={s}: routes generated in {time.time() - t0:.1f}s, sum|R|={n_routes}")
         flops_fwd = 4.0 * n_routes * hq * d
@@ -145,7 +150,11 @@ CONFIGS = {
     "triton": ("triton", None),
     "pallas": ("pallas", None),
     "pallas-m64": ("pallas", dict(block_m_bwd=64)),
+    "pallas-m128": ("pallas", dict(block_m_bwd=128)),  # the forward's geometry: unions shared
     "pallas-padded": ("pallas", dict(flatten_heads=False, block_m_bwd=64)),
+    "pallas-m64-both": ("pallas", dict(block_m=64, block_m_bwd=64)),
+    "pallas-k32": ("pallas", dict(block_m_bwd=64, block_k_bwd=32)),
+    "pallas-k32s2": ("pallas", dict(block_m_bwd=64, block_k_bwd=32, num_stages_bwd=2)),
 }
 
 
@@ -159,12 +168,15 @@ def main():
     parser.add_argument("--check-implementations", default="pallas", help="comma list of pallas,triton")
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--sizes", default="8192,32768")
+    parser.add_argument("--overlap", type=float, default=None,
+                        help="--time on the benchmark's routes at this adjacent-row Jaccard target")
     parser.add_argument("--configs", default="triton,pallas", help=f"comma list of {','.join(CONFIGS)}")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import jax
 
-    results = dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], check={}, time={})
+    results = dict(jax=jax.__version__, overlap=args.overlap, devices=[str(d) for d in jax.devices()],
+                   check={}, time={})
     log(results["jax"], results["devices"])
     try:
         if args.check:
@@ -173,7 +185,7 @@ def main():
                 check(results, args.check_len, heads, args.check_dtype, implementation)
         if args.time:
             configs = [(c, CONFIGS[c]) for c in args.configs.split(",")]
-            timing(results, [int(s) for s in args.sizes.split(",")], configs)
+            timing(results, [int(s) for s in args.sizes.split(",")], configs, args.overlap)
     finally:
         with open(os.path.join(args.out, "jax_kernel.json"), "w") as fh:
             json.dump(results, fh, indent=1)
