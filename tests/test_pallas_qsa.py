@@ -557,3 +557,50 @@ def test_default_tiles_at_head_dim_256_run_forward_and_backward():
     want = oracle_forward_backward(q, k, v, problem.routes, 256 ** -0.5, do)
     for name, got, ref in zip(("out", "dq", "dk", "dv"), grads("pallas"), want):
         assert relative_error(got, ref) < 1e-2, name
+
+
+def test_default_backward_fits_sm90_shared_memory(monkeypatch, tmp_path):
+    """The default 16-bit D=256 backward, lowered for CUDA (no GPU needed) and compiled for
+    sm_90 by the installed Triton, asks for at most the 227 KiB a Hopper block may take.
+    The 128-pair backward asks for 320 KiB here, as on the H200 with jax 0.11.2, where it
+    failed to launch (Q and dO resident twice, as they are and transposed). The forward is
+    not checked: its pipelined stages are sized differently by different Triton versions."""
+    triton = pytest.importorskip("triton", reason="compiling for sm_90 needs Triton")
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import lowering, pallas_call_registration
+    from triton.backends.compiler import GPUTarget
+
+    from qsa_jax import pallas_qsa as pq
+
+    modules = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    bs = pq.BlockSizes.default(256, False, jnp.bfloat16, (9, 0))
+    (hq, hkv), d, s = (24, 2), 256, 64
+    geo = pq._backward_geometry(hq // hkv, d, bs)
+    n_tiles = -(-s * (hq // hkv) // geo.block_m)
+    shape = jax.ShapeDtypeStruct
+    q, kv = shape((1, s, hq, d), jnp.bfloat16), shape((1, s, hkv, d), jnp.bfloat16)
+    rows = shape((1, hkv, n_tiles * geo.block_m), jnp.float32)
+    union, count = shape((1, n_tiles, 256), jnp.int32), shape((1, n_tiles, 1), jnp.int32)
+
+    def backward(q, k, v, do, lse, delta, union, bits, count):
+        return pq._backward_call(q, k, v, do, lse, delta, union, bits, count, geo, 0.0625, bs, False)
+
+    jax.jit(backward).trace(q, kv, kv, q, rows, rows, union, union, count).lower(lowering_platforms=("cuda",))
+    assert len(modules) == 1
+    path = tmp_path / "qsa_backward.ttir"
+    path.write_text(modules[0])
+    try:
+        kernel = triton.compile(str(path), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd))
+    except Exception as err:  # the IR of jax's Triton dialect, which the installed Triton may not read
+        pytest.skip(f"the installed Triton {triton.__version__} does not compile jax's Triton IR: {err!r:.300}")
+    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
