@@ -90,11 +90,11 @@ class BlockSizes:
         docs/benchmarks.md): flat programs over 64-ID chunks, 128 pairs and 3 stages
         forward, 64 pairs backward (which then sorts its own unions). As jax 0.11's Triton
         compiles a 128-pair backward, it keeps Q and dO in shared memory twice, as they
-        are and transposed for dK^T and dV^T: 320 KiB at D=256, more than a block may take. Small tiles in interpret
-        mode; for fp32 inputs tiles that fit 227 KiB of shared memory (fp32 operands take
-        twice the bytes). The 16-bit backward takes 192 KiB per program: GPUs of a known
-        ``capability`` other than SM90/SM100 (227 KiB per block; SM80 has 163, SM120 99)
-        get the small tiles too."""
+        are and transposed for dK^T and dV^T: 320 KiB at D=256, more than a block may
+        take. Small tiles in interpret mode; for fp32 inputs tiles that fit 227 KiB of
+        shared memory (fp32 operands take twice the bytes). The 16-bit backward takes
+        192 KiB per program: GPUs of a known ``capability`` other than SM90/SM100 (227 KiB
+        per block; SM80 has 163, SM120 99) get the small tiles too."""
         if interpret:
             return cls(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
         small_memory = capability is not None and capability[0] not in (9, 10)

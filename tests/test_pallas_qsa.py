@@ -267,9 +267,10 @@ def test_backward_lowers_dkdv_adds_to_relaxed_atomics(monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_default_block_sizes_in_interpret_mode(dtype):
     """The tile shapes the GPU runs by default (16-bit: flat programs of 128 (row, head)
-    pairs forward and 64 backward, over 64-ID chunks, the backward sorting its own unions; fp32:
-    smaller padded tiles), here through the interpreter at D=256 and G=12, so the
-    default geometry's index arithmetic is checked against the oracle on CPU."""
+    pairs forward and 64 backward, over 64-ID chunks, the backward sorting its own
+    unions; fp32: smaller padded tiles), here through the interpreter at D=256 and
+    G=12, so the default geometry's index arithmetic is checked against the oracle on
+    CPU."""
     import jax.numpy as jnp
 
     from qsa_jax.pallas_qsa import BlockSizes
@@ -407,10 +408,9 @@ def test_backward_reuses_the_forward_unions_when_tiles_match(monkeypatch, block_
 @pytest.mark.parametrize("capability, tuned", [(None, True), ((9, 0), True), ((10, 0), True),
                                                ((8, 0), False), ((12, 0), False)])
 def test_default_block_sizes_follow_the_gpu(capability, tuned):
-    """The tuned 16-bit tiles (128-pair forward programs, 64-pair backward ones: 192 KiB of
-    shared memory per backward program) only where
-    blocks may take 227 KiB (SM90, SM100) or the capability is unknown; elsewhere the
-    small tiles fp32 uses."""
+    """The tuned 16-bit tiles (128-pair forward programs, 64-pair backward ones: 192 KiB
+    of shared memory per backward program) only where blocks may take 227 KiB (SM90,
+    SM100) or the capability is unknown; elsewhere the small tiles fp32 uses."""
     import jax.numpy as jnp
 
     from qsa_jax.pallas_qsa import BlockSizes
@@ -535,8 +535,8 @@ def test_launch_grid_folds_past_cuda_limits(monkeypatch):
 
 @pytest.mark.gpu
 def test_default_tiles_at_head_dim_256_run_forward_and_backward():
-    """The tuned defaults (flat 128-pair programs, 64-ID chunks) at the model's shape,
-    against the float64 oracle."""
+    """The tuned defaults (flat programs of 128 pairs forward, 64 backward, 64-ID chunks)
+    at the model's shape, against the float64 oracle."""
     import jax
     import jax.numpy as jnp
 
