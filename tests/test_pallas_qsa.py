@@ -559,12 +559,14 @@ def test_default_tiles_at_head_dim_256_run_forward_and_backward():
         assert relative_error(got, ref) < 1e-2, name
 
 
-def test_default_backward_fits_sm90_shared_memory(monkeypatch, tmp_path):
-    """The default 16-bit D=256 backward, lowered for CUDA (no GPU needed) and compiled for
-    sm_90 by the installed Triton, asks for at most the 227 KiB a Hopper block may take.
-    The 128-pair backward asks for 320 KiB here, as on the H200 with jax 0.11.2, where it
-    failed to launch (Q and dO resident twice, as they are and transposed). The forward is
-    not checked: its pipelined stages are sized differently by different Triton versions."""
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_default_backward_fits_sm90_shared_memory(monkeypatch, tmp_path, head_dim, dtype):
+    """The default backward, lowered for CUDA (no GPU needed) and compiled for sm_90 by the
+    installed Triton, asks for at most the 227 KiB a Hopper block may take. The 128-pair
+    16-bit backward at D=256 asks for 320 KiB here, as on the H200 with jax 0.11.2, where
+    it failed to launch (Q and dO resident twice, as they are and transposed). The forward
+    is not checked: its pipelined stages are sized differently by different Triton versions."""
     triton = pytest.importorskip("triton", reason="compiling for sm_90 needs Triton")
     import jax
     import jax.numpy as jnp
@@ -582,12 +584,13 @@ def test_default_backward_fits_sm90_shared_memory(monkeypatch, tmp_path):
         return result
 
     monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", capture)
-    bs = pq.BlockSizes.default(256, False, jnp.bfloat16, (9, 0))
-    (hq, hkv), d, s = (24, 2), 256, 64
+    dt = jnp.dtype(dtype)
+    bs = pq.BlockSizes.default(head_dim, False, dt, (9, 0))
+    (hq, hkv), d, s = (24, 2), head_dim, 64
     geo = pq._backward_geometry(hq // hkv, d, bs)
     n_tiles = -(-s * (hq // hkv) // geo.block_m)
     shape = jax.ShapeDtypeStruct
-    q, kv = shape((1, s, hq, d), jnp.bfloat16), shape((1, s, hkv, d), jnp.bfloat16)
+    q, kv = shape((1, s, hq, d), dt), shape((1, s, hkv, d), dt)
     rows = shape((1, hkv, n_tiles * geo.block_m), jnp.float32)
     union, count = shape((1, n_tiles, 256), jnp.int32), shape((1, n_tiles, 1), jnp.int32)
 
