@@ -54,13 +54,15 @@ class BlockSizes:
     ``block_m`` consecutive (query row, head) pairs instead of T rows x G_pad heads,
     so no matrix row is head padding (G=12 pads a quarter of every dot otherwise);
     its rows span up to ``(block_m - 1) // G + 2`` query rows. On by default for
-    16-bit inputs at D > 128 on SM90/SM100 or an unknown GPU (see :meth:`default`).
+    16-bit inputs at D > 128 on GPUs whose blocks take 192 KiB of shared memory, or an
+    unknown GPU (see :meth:`default`).
     Where the backward's geometry (``*_bwd``) equals the forward's, the backward reuses
     the forward's route unions instead of sorting the routes again; they are then
     residuals that live from forward to backward (union and row bits, int32
     ``[B, n_programs, ~span * K]`` each: about 0.56 GiB per layer at S=32768, G=12,
-    K=2052). A smaller ``block_m_bwd`` trades that memory for a second sort and a slower
-    backward. The backward computes and adds its dK/dV blocks transposed (dV^T = dO^T P,
+    K=2052). Where ``block_m_bwd`` or ``block_k_bwd`` differs from the forward's (the
+    default at every head dim), the backward sorts the routes again and no unions are
+    kept. The backward computes and adds its dK/dV blocks transposed (dV^T = dO^T P,
     dK^T = Q^T dS): for sm_90a this removes ptxas's serialization of the wgmma
     instructions for lack of registers (C7512).
     """
@@ -88,21 +90,28 @@ class BlockSizes:
                 capability: tuple[int, int] | None = None) -> "BlockSizes":
         """The defaults. Chosen on H200 for D=256 bf16 (S=32768, (24,2), QSA routes; see
         docs/benchmarks.md): flat programs over 64-ID chunks, 128 pairs and 3 stages
-        forward, 64 pairs backward (which then sorts its own unions). As jax 0.11's Triton
-        compiles a 128-pair backward, it keeps Q and dO in shared memory twice, as they
-        are and transposed for dK^T and dV^T: 320 KiB at D=256, more than a block may
-        take. Small tiles in interpret mode; for fp32 inputs tiles that fit 227 KiB of
-        shared memory (fp32 operands take twice the bytes). The 16-bit backward takes
-        192 KiB per program: GPUs of a known ``capability`` other than SM90/SM100 (227 KiB
-        per block; SM80 has 163, SM120 99) get the small tiles too."""
+        forward, 64 pairs backward (which then sorts its own unions). Every backward tile
+        must fit the shared memory of a block as compiled for sm_90: a 128-pair 16-bit
+        backward at D=256 keeps Q and dO twice, as they are and transposed for dK^T and
+        dV^T (320 KiB), so the tuned backward is 64 pairs (192 KiB; 144 KiB for the D <= 128
+        tiles). Small tiles in interpret mode, for fp32 inputs (fp32 operands take twice the
+        bytes), and on GPUs of a known ``capability`` whose blocks may take less than the
+        tuned backward needs (:data:`_BLOCK_SHARED_KIB`); an unknown GPU gets the tuned
+        tiles."""
         if interpret:
             return cls(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
-        small_memory = capability is not None and capability[0] not in (9, 10)
-        if jnp.dtype(dtype) == jnp.float32 or (small_memory and head_dim > 128):
+        tuned_kib = 144 if head_dim <= 128 else 192  # the tuned 16-bit backward's shared memory
+        small_memory = capability is not None and _BLOCK_SHARED_KIB.get(tuple(capability), 99) < tuned_kib
+        if jnp.dtype(dtype) == jnp.float32 or small_memory:
             return cls(block_m=64, block_k=16, num_stages=1, block_m_bwd=32, block_k_bwd=16)
         if head_dim <= 128:  # not measured at these head dims
             return cls(block_m=128, block_k=64, num_stages=2, block_m_bwd=128, block_k_bwd=32)
         return cls(flatten_heads=True)
+
+
+# Shared memory one block may take (CUDA's opt-in maximum), KiB, by compute capability;
+# 99 KiB (SM86, SM89, SM120) for any capability not listed.
+_BLOCK_SHARED_KIB = {(8, 0): 163, (8, 7): 163, (9, 0): 227, (10, 0): 227, (10, 3): 227}
 
 
 # --------------------------------------------------------------------- launchers

@@ -405,19 +405,22 @@ def test_backward_reuses_the_forward_unions_when_tiles_match(monkeypatch, block_
         assert relative_error(np.asarray(g), w) < 1e-5
 
 
-@pytest.mark.parametrize("capability, tuned", [(None, True), ((9, 0), True), ((10, 0), True),
-                                               ((8, 0), False), ((12, 0), False)])
-def test_default_block_sizes_follow_the_gpu(capability, tuned):
-    """The tuned 16-bit tiles (128-pair forward programs, 64-pair backward ones: 192 KiB
-    of shared memory per backward program) only where blocks may take 227 KiB (SM90,
-    SM100) or the capability is unknown; elsewhere the small tiles fp32 uses."""
+@pytest.mark.parametrize("head_dim, capability, tuned", [
+    (256, None, True), (256, (9, 0), True), (256, (10, 0), True), (256, (8, 0), False), (256, (12, 0), False),
+    (128, None, True), (128, (9, 0), True), (128, (8, 0), True), (128, (8, 6), False), (128, (12, 0), False),
+    (128, (13, 0), False)])
+def test_default_block_sizes_follow_the_gpu(head_dim, capability, tuned):
+    """The tuned 16-bit tiles only where a block may take the shared memory their backward
+    needs (192 KiB at D > 128: SM90, SM100; 144 KiB at D <= 128: SM80 too) or the GPU is
+    unknown; elsewhere, an unlisted capability included, the small tiles fp32 uses."""
     import jax.numpy as jnp
 
     from qsa_jax.pallas_qsa import BlockSizes
 
-    got = BlockSizes.default(256, False, jnp.bfloat16, capability)
-    small = BlockSizes.default(256, False, jnp.float32)
-    assert ((got.block_m, got.block_m_bwd, got.flatten_heads) == (128, 64, True)) if tuned else got == small
+    got = BlockSizes.default(head_dim, False, jnp.bfloat16, capability)
+    small = BlockSizes.default(head_dim, False, jnp.float32)
+    want = (128, 64, True) if head_dim > 128 else (128, 128, False)
+    assert ((got.block_m, got.block_m_bwd, got.flatten_heads) == want) if tuned else got == small
 
 
 def test_gpu_capability_of_where_an_array_lives():
@@ -563,10 +566,10 @@ def test_default_tiles_at_head_dim_256_run_forward_and_backward():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_default_backward_fits_sm90_shared_memory(monkeypatch, tmp_path, head_dim, dtype):
     """The default backward, lowered for CUDA (no GPU needed) and compiled for sm_90 by the
-    installed Triton, asks for at most the 227 KiB a Hopper block may take. The 128-pair
-    16-bit backward at D=256 asks for 320 KiB here, as on the H200 with jax 0.11.2, where
-    it failed to launch (Q and dO resident twice, as they are and transposed). The forward
-    is not checked: its pipelined stages are sized differently by different Triton versions."""
+    installed Triton, asks for at most the 227 KiB a Hopper block may take (a 128-pair
+    16-bit backward at D=256 keeps Q and dO twice, as they are and transposed: 320 KiB).
+    The forward is not checked: its pipelined stages are sized differently by different
+    Triton versions."""
     triton = pytest.importorskip("triton", reason="compiling for sm_90 needs Triton")
     import jax
     import jax.numpy as jnp
@@ -586,24 +589,26 @@ def test_default_backward_fits_sm90_shared_memory(monkeypatch, tmp_path, head_di
     monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", capture)
     dt = jnp.dtype(dtype)
     bs = pq.BlockSizes.default(head_dim, False, dt, (9, 0))
-    (hq, hkv), d, s = (24, 2), head_dim, 64
+    (hq, hkv), d, s, width = (24, 2), head_dim, 64, 2052
     geo = pq._backward_geometry(hq // hkv, d, bs)
-    n_tiles = -(-s * (hq // hkv) // geo.block_m)
     shape = jax.ShapeDtypeStruct
+    # the unions' shapes as the backward receives them, from the routes' [B, S, width]
+    union, bits, count = jax.eval_shape(lambda r: pq._route_union(r, geo), shape((1, s, width), jnp.int32))
+    rows = shape((1, hkv, union.shape[1] * geo.block_m), jnp.float32)
     q, kv = shape((1, s, hq, d), dt), shape((1, s, hkv, d), dt)
-    rows = shape((1, hkv, n_tiles * geo.block_m), jnp.float32)
-    union, count = shape((1, n_tiles, 256), jnp.int32), shape((1, n_tiles, 1), jnp.int32)
 
     def backward(q, k, v, do, lse, delta, union, bits, count):
         return pq._backward_call(q, k, v, do, lse, delta, union, bits, count, geo, 0.0625, bs, False)
 
-    jax.jit(backward).trace(q, kv, kv, q, rows, rows, union, union, count).lower(lowering_platforms=("cuda",))
+    jax.jit(backward).trace(q, kv, kv, q, rows, rows, union, bits, count).lower(lowering_platforms=("cuda",))
     assert len(modules) == 1
     path = tmp_path / "qsa_backward.ttir"
     path.write_text(modules[0])
     try:
         kernel = triton.compile(str(path), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd))
-    except Exception as err:  # the IR of jax's Triton dialect, which the installed Triton may not read
-        pytest.skip(f"the installed Triton {triton.__version__} does not compile jax's Triton IR: {err!r:.300}")
+    except RuntimeError as err:  # IR of jax's Triton dialect that the installed Triton cannot read
+        if "Parse MLIR file failed" not in str(err):
+            raise
+        pytest.skip(f"the installed Triton {triton.__version__} does not parse jax's Triton IR")
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
