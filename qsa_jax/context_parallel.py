@@ -16,9 +16,9 @@ Inside the map the arrays are tracers, which do not say where they live, and
 ``jax.default_device`` (else the default backend): while the map is traced, the
 wrapper sets ``jax.default_device`` to the mesh's platform where that differs (e.g. a
 CPU mesh on a host with GPUs). Only the forward is traced there: rules traced later
-(``custom_vjp`` backward rules, under ``jax.grad``) see the caller's default device,
-which matters only to choices they make themselves (e.g. the Triton backward's Hopper
-kernel); the implementation itself is chosen with the forward.
+(``custom_vjp`` backward rules, under ``jax.grad``) see the caller's default device, so
+every choice a backward makes is taken with the forward (the implementation, tile
+sizes, the Triton backward's Hopper kernel) and carried to it as a static argument.
 
 Works with ``jax.shard_map`` (jax >= 0.6, so 0.10.2 and 0.11.2) and falls back to
 ``jax.experimental.shard_map`` where the former is missing.

@@ -56,12 +56,12 @@ def _hopper(launcher, q) -> bool:
     return getattr(launcher, "gluon", False) and not launcher.interpreted and gpu_capability(q) == (9, 0)
 
 
-def _forward_launch(q, k, v, union_shape, scale, plan, launcher):
-    """The forward's launch: on Hopper, with a launcher that launches Gluon kernels, the
-    warp-specialized kernel where the operands are in its scope (as ``qsa_torch`` does;
-    both kernels give the same bits), else ``forward.py``'s."""
+def _forward_launch(q, k, v, union_shape, scale, plan, launcher, hopper: bool):
+    """The forward's launch: where ``hopper`` (:func:`_hopper`), the warp-specialized
+    kernel if the operands are in its scope (as ``qsa_torch`` does; both kernels give the
+    same bits), else ``forward.py``'s."""
     dtype = jnp.dtype(q.dtype).name
-    if _hopper(launcher, q):
+    if hopper:
         launch = spec.forward_sm90_launch(plan, operand(q), operand(k), operand(v), union_shape, scale, dtype)
         if launch is not None:
             return launch
@@ -69,9 +69,9 @@ def _forward_launch(q, k, v, union_shape, scale, plan, launcher):
                                interpreted=launcher.interpreted)
 
 
-def _forward(q, k, v, routes, scale, plan, launcher):
+def _forward(q, k, v, routes, scale, plan, launcher, hopper: bool):
     unions = build_unions(routes, k.shape[1], plan, launcher, padded=False)
-    launch = _forward_launch(q, k, v, tuple(unions[0].shape), scale, plan, launcher)
+    launch = _forward_launch(q, k, v, tuple(unions[0].shape), scale, plan, launcher, hopper)
     union, count, rowbits = unions
     out = launcher(launch, dict(Q=q, K=k, V=v, UNION=union, COUNT=count, ROWBITS=rowbits))
     return out["O"], out["LSE"], unions
@@ -93,7 +93,9 @@ def input_maxima(q, do, v, lse):
     return jnp.stack([largest_routed(q), largest_routed(do), jnp.max(finite_rows).astype(jnp.float32)])
 
 
-def _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher, deterministic):
+def _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher, deterministic, hopper: bool):
+    """``hopper``: the forward's :func:`_hopper`, carried here as a static argument, since
+    a backward rule may be traced where the default device (which tracers follow) differs."""
     union, count, rowbits = unions
     cut = backward_cut(plan, q.shape[1], top_k, plan.rows_per_tile, union.shape[2])
     if cut is not None:
@@ -102,7 +104,7 @@ def _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher, deter
     maxima = input_maxima(q, do, v, lse) if deterministic else lse
     arrays = dict(Q=q, K=k, V=v, O=out, DO=do, LSE=lse, UNION=union, COUNT=count, ROWBITS=rowbits, MAXIMA=maxima)
     launch = None
-    if _hopper(launcher, q):
+    if hopper:
         launch = spec.backward_sm90_launch(plan, operand(q), operand(k), operand(v), operand(out), operand(do),
                                            tuple(union.shape), scale, jnp.dtype(q.dtype).name,
                                            deterministic=deterministic)
@@ -119,19 +121,19 @@ def _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher, deter
     return grads["DQ"], fixed["DK"], fixed["DV"]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _attention(q, k, v, routes, scale, plan, top_k, launcher, deterministic):
-    return _forward(q, k, v, routes, scale, plan, launcher)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _attention(q, k, v, routes, scale, plan, top_k, launcher, deterministic, hopper):
+    return _forward(q, k, v, routes, scale, plan, launcher, hopper)[0]
 
 
-def _attention_fwd(q, k, v, routes, scale, plan, top_k, launcher, deterministic):
-    out, lse, unions = _forward(q, k, v, routes, scale, plan, launcher)
+def _attention_fwd(q, k, v, routes, scale, plan, top_k, launcher, deterministic, hopper):
+    out, lse, unions = _forward(q, k, v, routes, scale, plan, launcher, hopper)
     return out, (q, k, v, out, lse, unions)
 
 
-def _attention_bwd(scale, plan, top_k, launcher, deterministic, residuals, do):
+def _attention_bwd(scale, plan, top_k, launcher, deterministic, hopper, residuals, do):
     q, k, v, out, lse, unions = residuals
-    dq, dk, dv = _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher, deterministic)
+    dq, dk, dv = _backward(q, k, v, out, lse, unions, do, scale, plan, top_k, launcher, deterministic, hopper)
     return dq, dk, dv, None
 
 
@@ -140,12 +142,13 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 @functools.partial(jax.jit, static_argnames=("scale", "plan", "launcher", "deterministic"))
 def _run(q, k, v, routes, *, scale, plan, launcher, deterministic):
-    return _attention(q, k, v, routes, scale, plan, routes.shape[2], launcher, deterministic)
+    # the Hopper choice is made here, as the forward is traced, for forward and backward
+    return _attention(q, k, v, routes, scale, plan, routes.shape[2], launcher, deterministic, _hopper(launcher, q))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "plan", "launcher"))
 def _run_forward(q, k, v, routes, *, scale, plan, launcher):
-    out, lse, _ = _forward(q, k, v, routes, scale, plan, launcher)
+    out, lse, _ = _forward(q, k, v, routes, scale, plan, launcher, _hopper(launcher, q))
     return out, lse
 
 

@@ -363,7 +363,8 @@ def test_host_side_launch_description():
     kv = jax.ShapeDtypeStruct((1, 64, 2, 256), jnp.bfloat16)
     routes = jax.ShapeDtypeStruct((1, 64, 20), jnp.int32)
     plan = make_plan(12, 256, jt.BlockSizes(num_stages=3, backward_block_k=64, flatten_heads=True))
-    jax.eval_shape(lambda a, b, c, r: jt._forward(a, b, c, r, 0.0625, plan, Recorder()), q, kv, kv, routes)
+    jax.eval_shape(lambda a, b, c, r: jt._forward(a, b, c, r, 0.0625, plan, Recorder(), jt._hopper(Recorder(), a)),
+                   q, kv, kv, routes)
     kernels = [launch.kernel for launch, _ in calls]
     # 64 IDs against 32-row groups of 20 routes: the rank recipe (qsa_triton.plan.rank_recipe)
     assert kernels == ["union_rank", "union_cut", "forward"]
@@ -699,7 +700,7 @@ def test_backward_takes_the_hopper_kernel_where_it_launches(monkeypatch, heads, 
     unions = (jnp.zeros((1, n_tiles, 2052), jnp.int32), jnp.zeros((1, n_tiles), jnp.int32),
               jnp.zeros((1, n_tiles, 2052), jnp.int32))
     jt._backward(q, kv, kv, q, jnp.zeros((1, hq, seq), jnp.float32), unions, q, 0.0625, plan, 512,
-                 Launcher(gluon), deterministic)
+                 Launcher(gluon), deterministic, jt._hopper(Launcher(gluon), q))
     hopper = gluon and capability == (9, 0)
     assert seen == ["backward_sm90" if hopper else "backward"] + (["fixed_point"] if deterministic else [])
 
@@ -719,5 +720,41 @@ def test_forward_takes_the_hopper_kernel_where_it_launches(monkeypatch, gluon, i
     q = jax.ShapeDtypeStruct((1, 256, 24, 256), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)
     plan = make_plan(12, 256, jt.BlockSizes(num_stages=3, backward_block_k=64, flatten_heads=True))
-    launch = jt._forward_launch(q, kv, kv, (1, 24, 2052), 0.0625, plan, Launcher(gluon, interpreted))
+    launcher = Launcher(gluon, interpreted)
+    launch = jt._forward_launch(q, kv, kv, (1, 24, 2052), 0.0625, plan, launcher, jt._hopper(launcher, q))
     assert launch.kernel == want
+
+
+def test_backward_takes_the_forwards_hopper_choice(monkeypatch):
+    """The Hopper choice is made as the forward is traced and carried to the backward rule,
+    which JAX may trace later under another default device (so the tracers' GPU differs):
+    here the forward sees an sm_90 GPU and the backward rule, traced by ``pull``, none."""
+    from qsa_triton.config import default_block_sizes
+
+    seen = []
+
+    @dataclass(frozen=True)
+    class Launcher:
+        gluon: bool = True
+        interpreted: bool = False
+        max_grid_y: int = 65535
+
+        def __call__(self, launch, arrays):
+            seen.append(launch.kernel)
+            return {o.name: jnp.zeros(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs}
+
+    capability = {"now": (9, 0)}
+    monkeypatch.setattr(jt, "gpu_capability", lambda x: capability["now"])
+    (hq, hkv), seq = (24, 2), 512
+    plan = make_plan(hq // hkv, 256, default_block_sizes((9, 0), 256, "bfloat16", 232448))
+    q, kv = jnp.zeros((1, seq, hq, 256), jnp.bfloat16), jnp.zeros((1, seq, hkv, 256), jnp.bfloat16)
+    routes = jnp.zeros((1, seq, 2052), jnp.int32)
+
+    def run(q, k, v):
+        return jt._run(q, k, v, routes, scale=0.0625, plan=plan, launcher=Launcher(), deterministic=False)
+
+    _, pull = jax.vjp(run, q, kv, kv)
+    assert "forward_sm90" in seen and not any(name.startswith("backward") for name in seen), seen
+    capability["now"] = None
+    pull(q)
+    assert [name for name in seen if name.startswith("backward")] == ["backward_sm90"], seen
