@@ -620,6 +620,8 @@ def test_copies_of_a_routed_layer(upstream, monkeypatch):
     for twin in (copy.copy(route), copy.deepcopy(route)):
         assert not twin.active and twin.layers == ()
         twin.restore()
+    with pytest.raises(TypeError, match="AttentionRoute cannot be pickled"):
+        torch.save(route, io.BytesIO())
     assert route.active and "forward" in vars(layer)
     route.restore()
     assert "forward" not in vars(layer)

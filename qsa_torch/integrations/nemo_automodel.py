@@ -44,7 +44,8 @@ The route belongs to its handle and the layer objects it was installed on. Copie
 the attributes but belong to no handle (and a copy of the handle owns nothing):
 ``copy.deepcopy`` of a routed layer (or model) gives one that still calls the same
 dispatch, and one pickled (``torch.save``, then ``torch.load``) comes back with
-upstream's own methods bound as the attributes.
+upstream's own methods bound as the attributes. A handle itself cannot be pickled
+(``TypeError``).
 :func:`use_qsa_torch` on such a copy replaces the leftovers, and its handle's
 ``restore()`` removes them. The state dict never carries the route.
 
@@ -285,6 +286,13 @@ class AttentionRoute:
     def __deepcopy__(self, memo) -> AttentionRoute:
         """As :meth:`__copy__`: layers copied beside it are leftovers no handle owns."""
         return AttentionRoute([], self.dispatch)
+
+    def __reduce__(self):
+        """Refused: the route belongs to the layer objects of this process. Save the model
+        instead (its routed layers load as leftovers to route again)."""
+        raise TypeError("an AttentionRoute cannot be pickled: the route belongs to the layers it was "
+                        "installed on in this process; save the model instead (torch.save), and call "
+                        "use_qsa_torch on the loaded one")
 
     def __enter__(self) -> AttentionRoute:
         return self
