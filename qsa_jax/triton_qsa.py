@@ -140,15 +140,14 @@ def _attention_bwd(scale, plan, top_k, launcher, deterministic, hopper, residual
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "plan", "launcher", "deterministic"))
-def _run(q, k, v, routes, *, scale, plan, launcher, deterministic):
-    # the Hopper choice is made here, as the forward is traced, for forward and backward
-    return _attention(q, k, v, routes, scale, plan, routes.shape[2], launcher, deterministic, _hopper(launcher, q))
+@functools.partial(jax.jit, static_argnames=("scale", "plan", "launcher", "deterministic", "hopper"))
+def _run(q, k, v, routes, *, scale, plan, launcher, deterministic, hopper):
+    return _attention(q, k, v, routes, scale, plan, routes.shape[2], launcher, deterministic, hopper)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "plan", "launcher"))
-def _run_forward(q, k, v, routes, *, scale, plan, launcher):
-    out, lse, _ = _forward(q, k, v, routes, scale, plan, launcher, _hopper(launcher, q))
+@functools.partial(jax.jit, static_argnames=("scale", "plan", "launcher", "hopper"))
+def _run_forward(q, k, v, routes, *, scale, plan, launcher, hopper):
+    out, lse, _ = _forward(q, k, v, routes, scale, plan, launcher, hopper)
     return out, lse
 
 
@@ -172,6 +171,8 @@ def plan_for(query, key, block_sizes: BlockSizes | None = None) -> Plan:
 
 
 def _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes, launcher):
+    """Routes, scale, plan, launcher and the Hopper choice (:func:`_hopper`), all taken
+    from the GPU ``query`` lives on, once, for the forward and the backward."""
     routes = prepare_routes(selected_token_ids)
     checked = validate_inputs(query, key, value, routes, softmax_scale)
     if jnp.dtype(query.dtype).name not in _DTYPES:
@@ -183,7 +184,7 @@ def _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes, la
         if not on_gpu(query):
             raise NotImplementedError("jax-triton launches on CUDA GPUs only; the inputs are not on one "
                                       "(implementation='pallas' with interpret=True runs on CPU)")
-    return jnp.asarray(routes), checked.scale, plan_for(query, key, block_sizes), launcher
+    return jnp.asarray(routes), checked.scale, plan_for(query, key, block_sizes), launcher, _hopper(launcher, query)
 
 
 def triton_sparse_gqa_attention(query, key, value, selected_token_ids, softmax_scale: float | None = None, *,
@@ -222,9 +223,10 @@ def triton_sparse_gqa_attention(query, key, value, selected_token_ids, softmax_s
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    routes, scale, plan, launcher = _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes,
-                                           launcher)
-    return _run(query, key, value, routes, scale=scale, plan=plan, launcher=launcher, deterministic=deterministic)
+    routes, scale, plan, launcher, hopper = _setup(query, key, value, selected_token_ids, softmax_scale,
+                                                   block_sizes, launcher)
+    return _run(query, key, value, routes, scale=scale, plan=plan, launcher=launcher, deterministic=deterministic,
+                hopper=hopper)
 
 
 def forward_with_lse(query, key, value, selected_token_ids, softmax_scale: float | None = None, *,
@@ -233,6 +235,6 @@ def forward_with_lse(query, key, value, selected_token_ids, softmax_scale: float
     (+inf for rows without routes), no autograd; what ``qsa_torch.triton_qsa.
     forward_with_residuals`` returns first, for bitwise comparisons across frameworks.
     Arguments and errors as :func:`triton_sparse_gqa_attention`."""
-    routes, scale, plan, launcher = _setup(query, key, value, selected_token_ids, softmax_scale, block_sizes,
-                                           launcher)
-    return _run_forward(query, key, value, routes, scale=scale, plan=plan, launcher=launcher)
+    routes, scale, plan, launcher, hopper = _setup(query, key, value, selected_token_ids, softmax_scale,
+                                                   block_sizes, launcher)
+    return _run_forward(query, key, value, routes, scale=scale, plan=plan, launcher=launcher, hopper=hopper)

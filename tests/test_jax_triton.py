@@ -726,11 +726,9 @@ def test_forward_takes_the_hopper_kernel_where_it_launches(monkeypatch, gluon, i
 
 
 def test_backward_takes_the_forwards_hopper_choice(monkeypatch):
-    """The Hopper choice is made as the forward is traced and carried to the backward rule,
-    which JAX may trace later under another default device (so the tracers' GPU differs):
-    here the forward sees an sm_90 GPU and the backward rule, traced by ``pull``, none."""
-    from qsa_triton.config import default_block_sizes
-
+    """The Hopper choice is made with the forward and carried to the backward rule, which
+    JAX may trace later under another default device (so the tracers' GPU differs): here
+    the forward sees an sm_90 GPU and the backward rule, traced by ``pull``, none."""
     seen = []
 
     @dataclass(frozen=True)
@@ -746,12 +744,11 @@ def test_backward_takes_the_forwards_hopper_choice(monkeypatch):
     capability = {"now": (9, 0)}
     monkeypatch.setattr(jt, "gpu_capability", lambda x: capability["now"])
     (hq, hkv), seq = (24, 2), 512
-    plan = make_plan(hq // hkv, 256, default_block_sizes((9, 0), 256, "bfloat16", 232448))
     q, kv = jnp.zeros((1, seq, hq, 256), jnp.bfloat16), jnp.zeros((1, seq, hkv, 256), jnp.bfloat16)
     routes = jnp.zeros((1, seq, 2052), jnp.int32)
 
     def run(q, k, v):
-        return jt._run(q, k, v, routes, scale=0.0625, plan=plan, launcher=Launcher(), deterministic=False)
+        return jt.triton_sparse_gqa_attention(q, k, v, routes, 0.0625, launcher=Launcher())
 
     _, pull = jax.vjp(run, q, kv, kv)
     assert "forward_sm90" in seen and not any(name.startswith("backward") for name in seen), seen
