@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from qsa_triton.config import block_shared_memory
+
 from ._pallas_kernels import backward_kernel, forward_kernel
 from ._pallas_tiles import Geometry as _Geometry
 from ._pallas_tiles import arrange_queries as _arrange_queries
@@ -96,22 +98,17 @@ class BlockSizes:
         dV^T (320 KiB), so the tuned backward is 64 pairs (192 KiB; 144 KiB for the D <= 128
         tiles). Small tiles in interpret mode, for fp32 inputs (fp32 operands take twice the
         bytes), and on GPUs of a known ``capability`` whose blocks may take less than the
-        tuned backward needs (:data:`_BLOCK_SHARED_KIB`); an unknown GPU gets the tuned
-        tiles."""
+        tuned backward needs (``qsa_triton.config.block_shared_memory``); an unknown GPU
+        gets the tuned tiles."""
         if interpret:
             return cls(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
         tuned_kib = 144 if head_dim <= 128 else 192  # the tuned 16-bit backward's shared memory
-        small_memory = capability is not None and _BLOCK_SHARED_KIB.get(tuple(capability), 99) < tuned_kib
+        small_memory = capability is not None and block_shared_memory(capability) < tuned_kib * 1024
         if jnp.dtype(dtype) == jnp.float32 or small_memory:
             return cls(block_m=64, block_k=16, num_stages=1, block_m_bwd=32, block_k_bwd=16)
         if head_dim <= 128:  # not measured at these head dims
             return cls(block_m=128, block_k=64, num_stages=2, block_m_bwd=128, block_k_bwd=32)
         return cls(flatten_heads=True)
-
-
-# Shared memory one block may take (CUDA's opt-in maximum), KiB, by compute capability;
-# 99 KiB (SM86, SM89, SM120) for any capability not listed.
-_BLOCK_SHARED_KIB = {(8, 0): 163, (8, 7): 163, (9, 0): 227, (10, 0): 227, (10, 3): 227}
 
 
 # --------------------------------------------------------------------- launchers

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["BlockSizes", "DEFAULT_BLOCK_SIZES", "SAFE_BLOCK_SIZES", "TUNED_SHARED_MEMORY",
-           "MAX_ROWS_PER_TILE", "default_block_sizes"]
+           "MAX_ROWS_PER_TILE", "block_shared_memory", "default_block_sizes"]
 
 MAX_ROWS_PER_TILE = 32  # rowbits is an int32 bitmask: one bit per query row of a tile
 
@@ -81,8 +81,17 @@ SAFE_BLOCK_SIZES = BlockSizes(block_m=64, block_k=32, num_warps=4, num_stages=2,
 # Shared memory per program of DEFAULT_BLOCK_SIZES at D = 256, 16-bit, compiled for
 # sm_90a (unit strides along D): the forward's 197120 bytes (3 stages) is the larger.
 TUNED_SHARED_MEMORY = 197120
-# Compute-capability majors whose blocks may take 227 KiB of shared memory (SM90, SM100).
-_LARGE_SHARED_MEMORY_MAJORS = (9, 10)
+
+
+def block_shared_memory(capability: tuple[int, int]) -> int:
+    """Bytes of shared memory one block may opt into on a GPU of compute ``capability``,
+    for frameworks that cannot ask the driver: 227 KiB on SM90/SM100 (majors 9 and 10),
+    163 KiB on SM80/SM87, 99 KiB elsewhere (SM86, SM89, SM120, any capability not named)."""
+    if capability[0] in (9, 10):
+        return 227 * 1024
+    if tuple(capability) in ((8, 0), (8, 7)):
+        return 163 * 1024
+    return 99 * 1024
 
 
 def default_block_sizes(capability: tuple[int, int] | None, head_dim: int, dtype: str,
@@ -95,7 +104,7 @@ def default_block_sizes(capability: tuple[int, int] | None, head_dim: int, dtype
         head_dim: D.
         dtype: the inputs' dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``).
         shared_memory: bytes of shared memory a block may opt into, where the
-            framework can say (torch can, JAX cannot); None: judged by ``capability``.
+            framework can say (torch can, JAX cannot); None: :func:`block_shared_memory`.
 
     Returns :data:`DEFAULT_BLOCK_SIZES` for 16-bit inputs at D > 128 on SM90+ GPUs whose
     blocks may take :data:`TUNED_SHARED_MEMORY` bytes, else :data:`SAFE_BLOCK_SIZES`
@@ -104,7 +113,5 @@ def default_block_sizes(capability: tuple[int, int] | None, head_dim: int, dtype
     if capability is None or tuple(capability) < (9, 0) or head_dim <= 128 or dtype == "float32":
         return SAFE_BLOCK_SIZES
     if shared_memory is None:
-        fits = capability[0] in _LARGE_SHARED_MEMORY_MAJORS
-    else:
-        fits = shared_memory >= TUNED_SHARED_MEMORY
-    return DEFAULT_BLOCK_SIZES if fits else SAFE_BLOCK_SIZES
+        shared_memory = block_shared_memory(capability)
+    return DEFAULT_BLOCK_SIZES if shared_memory >= TUNED_SHARED_MEMORY else SAFE_BLOCK_SIZES

@@ -884,3 +884,19 @@ def test_unpadded_flat_unions_from_poisoned_buffers(monkeypatch):
     got = _numpy(_triton_unions.build_unions(torch.from_numpy(routes).to(DEVICE), kv_length, plan, padded=False))
     assert_unions_equal(got, flat_unions(routes, kv_length, group, pairs, flat_span(pairs, group)), up_to_count=True)
     assert (got[0] == -123456789).any(), "entries past the counts were written"
+
+
+@pytest.mark.parametrize("capability, tuned", [((9, 0), True), ((10, 0), True), ((10, 3), True), ((8, 0), False),
+                                               ((8, 6), False), ((11, 0), False), ((12, 0), False)])
+def test_default_block_sizes_by_capability(capability, tuned):
+    """Without the driver's figure (JAX), the tuned tiles go where the capability's blocks
+    may take TUNED_SHARED_MEMORY (SM90, SM100); on SM90+ a driver's figure decides instead,
+    and before SM90 the tiles are the safe ones whatever the figure."""
+    from qsa_triton.config import (DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, TUNED_SHARED_MEMORY,
+                                   default_block_sizes)
+
+    got = default_block_sizes(capability, 256, "bfloat16")
+    assert got == (DEFAULT_BLOCK_SIZES if tuned else SAFE_BLOCK_SIZES)
+    enough = DEFAULT_BLOCK_SIZES if capability >= (9, 0) else SAFE_BLOCK_SIZES
+    assert default_block_sizes(capability, 256, "bfloat16", TUNED_SHARED_MEMORY) == enough
+    assert default_block_sizes(capability, 256, "bfloat16", TUNED_SHARED_MEMORY - 1) == SAFE_BLOCK_SIZES
