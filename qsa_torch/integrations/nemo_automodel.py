@@ -285,7 +285,7 @@ class AttentionRoute:
 
     def __deepcopy__(self, memo) -> AttentionRoute:
         """As :meth:`__copy__`: layers copied beside it are leftovers no handle owns."""
-        return AttentionRoute([], self.dispatch)
+        return self.__copy__()
 
     def __reduce__(self):
         """Refused: the route belongs to the layer objects of this process. Save the model
