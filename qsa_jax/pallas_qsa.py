@@ -72,7 +72,7 @@ class BlockSizes:
     block_m: int = 128
     block_k: int = 64
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 2
     block_m_bwd: int = 64
     block_k_bwd: int = 64
     num_warps_bwd: int = 8
@@ -91,12 +91,14 @@ class BlockSizes:
     def default(cls, head_dim: int, interpret: bool, dtype=jnp.bfloat16,
                 capability: tuple[int, int] | None = None) -> "BlockSizes":
         """The defaults. Chosen on H200 for D=256 bf16 (S=32768, (24,2), QSA routes; see
-        docs/benchmarks.md): flat programs over 64-ID chunks, 128 pairs and 3 stages
-        forward, 64 pairs backward (which then sorts its own unions). Every backward tile
-        must fit the shared memory of a block as compiled for sm_90: a 128-pair 16-bit
-        backward at D=256 keeps Q and dO twice, as they are and transposed for dK^T and
-        dV^T (320 KiB), so the tuned backward is 64 pairs (192 KiB; 144 KiB for the D <= 128
-        tiles). Small tiles in interpret mode, for fp32 inputs (fp32 operands take twice the
+        docs/benchmarks.md): flat programs over 64-ID chunks, 128 pairs and 2 stages
+        forward, 64 pairs backward (which then sorts its own unions). Every tile must fit
+        the shared memory of a block as Triton compiles it for sm_90 (CPU CI's Triton 3.9
+        and the one in the GPU host's jaxlib): a 128-pair 16-bit backward at D=256 keeps Q
+        and dO twice, as they are and transposed for dK^T and dV^T (320 KiB), so the tuned
+        backward is 64 pairs (192 KiB; 144 KiB for the D <= 128 tiles), and a third forward
+        stage asks Triton 3.9 for 257 KiB, so the forward runs two (193 KiB). Small tiles in
+        interpret mode, for fp32 inputs (fp32 operands take twice the
         bytes), and on GPUs of a known ``capability`` whose blocks may take less than the
         tuned backward needs (``qsa_triton.config.block_shared_memory``); an unknown GPU
         gets the tuned tiles."""

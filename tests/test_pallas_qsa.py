@@ -562,15 +562,15 @@ def test_default_tiles_at_head_dim_256_run_forward_and_backward():
         assert relative_error(got, ref) < 1e-2, name
 
 
+@pytest.mark.parametrize("kernel", ["forward", "backward"])
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("capability, limit_kib", [((9, 0), 227), ((8, 0), 163), ((12, 0), 99)])
-def test_default_backward_fits_shared_memory(monkeypatch, tmp_path, head_dim, dtype, capability, limit_kib):
-    """The default backward for a GPU, lowered for CUDA (no GPU needed) and compiled for its
+def test_default_tiles_fit_shared_memory(monkeypatch, tmp_path, kernel, head_dim, dtype, capability, limit_kib):
+    """Each default kernel for a GPU, lowered for CUDA (no GPU needed) and compiled for its
     architecture by the installed Triton, asks for at most the shared memory one of its
     blocks may take (a 128-pair 16-bit backward at D=256 keeps Q and dO twice, as they are
-    and transposed: 320 KiB). The forward is not checked: its pipelined stages are sized
-    differently by different Triton versions."""
+    and transposed: 320 KiB; a 3-stage forward there asks Triton 3.9 for 257 KiB)."""
     triton = pytest.importorskip("triton", reason="compiling the kernels for a GPU architecture needs Triton")
     import jax
     import jax.numpy as jnp
@@ -591,26 +591,33 @@ def test_default_backward_fits_shared_memory(monkeypatch, tmp_path, head_dim, dt
     dt = jnp.dtype(dtype)
     bs = pq.BlockSizes.default(head_dim, False, dt, capability)
     (hq, hkv), d, s, width = (24, 2), head_dim, 64, 2052
-    geo = pq._backward_geometry(hq // hkv, d, bs)
+    make_geometry = pq._forward_geometry if kernel == "forward" else pq._backward_geometry
+    geo = make_geometry(hq // hkv, d, bs)
     shape = jax.ShapeDtypeStruct
-    # the unions' shapes as the backward receives them, from the routes' [B, S, width]
+    # the unions' shapes as the kernel receives them, from the routes' [B, S, width]
     union, bits, count = jax.eval_shape(lambda r: pq._route_union(r, geo), shape((1, s, width), jnp.int32))
     rows = shape((1, hkv, union.shape[1] * geo.block_m), jnp.float32)
     q, kv = shape((1, s, hq, d), dt), shape((1, s, hkv, d), dt)
+    if kernel == "forward":
+        def call(q, k, v, union, bits, count):
+            return pq._forward_call(q, k, v, union, bits, count, geo, 0.0625, bs, False)
 
-    def backward(q, k, v, do, lse, delta, union, bits, count):
-        return pq._backward_call(q, k, v, do, lse, delta, union, bits, count, geo, 0.0625, bs, False)
+        args, options = (q, kv, kv, union, bits, count), dict(num_warps=bs.num_warps, num_stages=bs.num_stages)
+    else:
+        def call(q, k, v, do, lse, delta, union, bits, count):
+            return pq._backward_call(q, k, v, do, lse, delta, union, bits, count, geo, 0.0625, bs, False)
 
-    jax.jit(backward).trace(q, kv, kv, q, rows, rows, union, bits, count).lower(lowering_platforms=("cuda",))
+        args = (q, kv, kv, q, rows, rows, union, bits, count)
+        options = dict(num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd)
+    jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))
     assert len(modules) == 1
-    path = tmp_path / "qsa_backward.ttir"
+    path = tmp_path / f"qsa_{kernel}.ttir"
     path.write_text(modules[0])
     try:
         arch = capability[0] * 10 + capability[1]
-        kernel = triton.compile(str(path), target=GPUTarget("cuda", arch, 32),
-                                options=dict(num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd))
+        compiled = triton.compile(str(path), target=GPUTarget("cuda", arch, 32), options=options)
     except RuntimeError as err:  # IR of jax's Triton dialect that the installed Triton cannot read
         if "Parse MLIR file failed" not in str(err):
             raise
         pytest.skip(f"the installed Triton {triton.__version__} does not parse jax's Triton IR")
-    assert kernel.metadata.shared <= limit_kib * 1024, (kernel.metadata.shared, bs)
+    assert compiled.metadata.shared <= limit_kib * 1024, (compiled.metadata.shared, bs)

@@ -155,6 +155,7 @@ CONFIGS = {
     "pallas-m64-both": ("pallas", dict(block_m=64, block_m_bwd=64)),
     "pallas-k32": ("pallas", dict(block_m_bwd=64, block_k_bwd=32)),
     "pallas-k32s2": ("pallas", dict(block_m_bwd=64, block_k_bwd=32, num_stages_bwd=2)),
+    "pallas-s3": ("pallas", dict(num_stages=3)),  # the forward's third stage
 }
 
 

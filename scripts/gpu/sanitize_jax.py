@@ -6,8 +6,9 @@ From the repository root, after ``source /tmp/qsa-site/env.sh`` (jax-triton 0.3.
     python3 scripts/gpu/sanitize_jax.py --out $OUT                       # triton, ~2 minutes
     python3 scripts/gpu/sanitize_jax.py --out $OUT --implementation pallas,triton
 
-Runs itself under ``compute-sanitizer --tool memcheck`` (``--probe``) and records the
-sanitizer's ERROR SUMMARY in sanitize_jax.json. The probe runs forward and backward
+Runs itself under ``compute-sanitizer --tool memcheck`` (``--probe``), one process per case
+(so that a crash of one leaves the others' results), and records each run's ERROR SUMMARY
+in sanitize_jax.json. The probe runs forward and backward
 (``jax.vjp``) of ``qsa_jax.sparse_gqa_attention`` on small problems, each checked against
 the float64 numpy oracle (so nothing else of XLA's, no reference attention, runs beside
 the kernels), and prints PROBE_OK when every case agrees:
@@ -29,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -73,8 +75,9 @@ def _cases(implementation: str):
     ]
 
 
-def probe(implementations) -> int:
-    """The kernels on small problems against the oracle; PROBE_OK if every case agrees."""
+def probe(implementations, case=None) -> int:
+    """The kernels on small problems against the oracle (every case, or the one numbered
+    ``case``); PROBE_OK if every case run agrees."""
     faulthandler.enable()
     import jax
     import jax.numpy as jnp
@@ -87,7 +90,9 @@ def probe(implementations) -> int:
     rng = np.random.default_rng(0)
     worst = 0.0
     for implementation in implementations:
-        for problem, heads, dtype, blocks, tol, label in _cases(implementation):
+        for index, (problem, heads, dtype, blocks, tol, label) in enumerate(_cases(implementation)):
+            if case is not None and index != case:
+                continue
             q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, heads, 256, dtype)
             jdt = jnp.dtype(dtype)
 
@@ -110,12 +115,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "sanitize-out"))
     parser.add_argument("--implementation", default="triton", help="comma list of triton,pallas")
-    parser.add_argument("--timeout-s", type=float, default=170.0)
+    parser.add_argument("--timeout-s", type=float, default=170.0, help="for all the sanitizer's runs together")
     parser.add_argument("--probe", action="store_true", help="run the cases (under the sanitizer)")
+    parser.add_argument("--case", type=int, default=None, help="with --probe: only this case of each implementation")
     args = parser.parse_args()
     implementations = [x for x in args.implementation.split(",") if x]
     if args.probe:
-        return probe(implementations)
+        return probe(implementations, args.case)
     import json
 
     os.makedirs(args.out, exist_ok=True)
@@ -124,25 +130,42 @@ def main() -> int:
     if tool is None:
         summary["error"] = "compute-sanitizer not on PATH"
     else:
-        command = [tool, "--tool", "memcheck", "--print-limit", "30", "--error-exitcode", "3", sys.executable,
-                   os.path.abspath(__file__), "--probe", "--implementation", args.implementation]
-        log_path = os.path.join(args.out, "sanitize_jax.log")
-        with open(log_path, "w") as log_file:
-            try:
-                rc = subprocess.run(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
-                                    timeout=args.timeout_s).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        text = open(log_path, errors="replace").read()
-        lines = [line for line in text.splitlines() if "ERROR SUMMARY" in line]
-        summary.update(command=" ".join(command), returncode=rc, error_summary=lines[-1] if lines else None,
-                       probe_ok="PROBE_OK" in text,
-                       probes=[line for line in text.splitlines() if line.startswith("probe ")], tail=text[-3000:])
+        deadline = time.monotonic() + args.timeout_s
+        summary["runs"] = [_sanitize(tool, implementation, case, args.out, deadline - time.monotonic())
+                           for implementation in implementations for case in range(_count_cases(implementation))]
+        summary["ok"] = all(run["returncode"] == 0 and run["probe_ok"] for run in summary["runs"])
     with open(os.path.join(args.out, "sanitize_jax.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
-    log(f"sanitizer: {summary.get('error_summary') or summary.get('error')} rc={summary.get('returncode')} "
-        f"probe_ok={summary.get('probe_ok')}")
-    return 0 if summary.get("returncode") == 0 and summary.get("probe_ok") else 1
+    for run in summary.get("runs", []):
+        log(f"sanitizer {run['implementation']} case {run['case']}: {run['error_summary']} rc={run['returncode']} "
+            f"probe_ok={run['probe_ok']}")
+    if "error" in summary:
+        log("sanitizer:", summary["error"])
+    return 0 if summary.get("ok") else 1
+
+
+def _count_cases(implementation: str) -> int:
+    return len(_cases(implementation))
+
+
+def _sanitize(tool: str, implementation: str, case: int, out: str, timeout_s: float) -> dict:
+    """One case of one implementation under memcheck, in its own process."""
+    command = [tool, "--tool", "memcheck", "--print-limit", "30", "--error-exitcode", "3", sys.executable,
+               os.path.abspath(__file__), "--probe", "--implementation", implementation, "--case", str(case)]
+    log_path = os.path.join(out, f"sanitize_jax_{implementation}_{case}.log")
+    with open(log_path, "w") as log_file:
+        try:
+            if timeout_s <= 0:
+                raise subprocess.TimeoutExpired(command, 0)
+            rc = subprocess.run(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                                timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    text = open(log_path, errors="replace").read()
+    lines = [line for line in text.splitlines() if "ERROR SUMMARY" in line]
+    return dict(implementation=implementation, case=case, command=" ".join(command), returncode=rc,
+                error_summary=lines[-1] if lines else None, probe_ok="PROBE_OK" in text,
+                probes=[line for line in text.splitlines() if line.startswith("probe ")], tail=text[-2000:])
 
 
 if __name__ == "__main__":

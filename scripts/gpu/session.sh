@@ -27,6 +27,8 @@
 #   a kernel change's whole check and timing in one call (carry .whl): bash scripts/gpu/session.sh adopt
 #   torch against JAX bit for bit where the Hopper kernels run (carry .whl): bash scripts/gpu/session.sh bitwise
 #   bitwise repeatability under load, and the Flax layer at S=32768 (carry .whl): bash scripts/gpu/session.sh race
+#   JAX Pallas' default tiles timed beside triton and dense (carry .whl): bash scripts/gpu/session.sh pallastime
+#   JAX Pallas' default tiles checked (carry .whl):        bash scripts/gpu/session.sh pallascheck
 #   this tree's Hopper kernels beside another commit's (git worktree add --detach .base REF; carry .base .whl):
 #                                                          bash scripts/gpu/session.sh sm90ab
 #
@@ -39,7 +41,7 @@
 # repacked after every step, so a call cut short still brings back every finished step in
 # one file (the device returns only a few files per call).
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, adds, spot, profile, complete, final, sweep, lowoverlap, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, adopt, bitwise, race or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, adds, spot, profile, complete, final, sweep, lowoverlap, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, adopt, bitwise, race, pallastime, pallascheck or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 scratch=$(mktemp -d)
@@ -107,7 +109,8 @@ correctness)
     tests/test_flex_qsa.py
   beside check_triton 300 python3 scripts/gpu/check_triton.py --out "$R/check_triton"
   beside long_context 280 bash -c "cd scripts/gpu && python3 long_context.py --out '$R/long_context'"
-  beside sanitize_jax 240 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton,pallas
+  beside sanitize_jax 430 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton,pallas \
+    --timeout-s 400
   beside soak 330 python3 scripts/gpu/soak.py --out "$R/soak" --budget-s 280
   beside sanitize_det 240 python3 scripts/gpu/probe_deterministic.py --out "$R/sanitize_det" --sanitizer
   wait
@@ -313,6 +316,25 @@ bitwise)
   # then check_jax_triton.py (forward and default backward, three layouts, both head configs)
   alone det_tests 240 python3 -m pytest -q -rA -p no:cacheprovider tests/test_triton_deterministic.py -k gpu_fixed_point
   alone jax_triton 200 python3 scripts/gpu/check_jax_triton.py --out "$R/jax_triton" --budget-s 170
+  ;;
+pallastime)
+  # forward+backward at J 0.8 and 0.3 (S=32768) with the forward's third stage and without, then
+  # S=8192 and 131072; JAX cuDNN dense in each process
+  alone time_j08 240 python3 scripts/gpu/jax_kernel.py --out "$R/time_j08" --time --sizes 32768 --overlap 0.8 \
+    --configs triton,pallas,pallas-s3
+  alone time_j03 200 python3 scripts/gpu/jax_kernel.py --out "$R/time_j03" --time --sizes 32768 --overlap 0.3 \
+    --configs pallas,pallas-s3
+  alone time_s 280 python3 scripts/gpu/jax_kernel.py --out "$R/time_s" --time --sizes 8192,131072 --overlap 0.8 \
+    --configs triton,pallas
+  ;;
+pallascheck)
+  beside check 300 python3 scripts/gpu/jax_kernel.py --out "$R/check" --check --check-len 8192
+  beside parity 420 python3 scripts/gpu/run_parity_and_bench.py --out "$R/parity" --skip-bench --skip-api \
+    --budget 360 --parity-args "--backends jax-pallas"
+  beside pytest 420 python3 -m pytest -q -p no:cacheprovider tests/test_pallas_qsa.py tests/test_layers.py
+  beside sanitize_jax 300 python3 scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation pallas \
+    --timeout-s 280
+  wait
   ;;
 recheck)
   # after fixes to what the three calls above found: the pieces that changed, in one call
