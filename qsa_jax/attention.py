@@ -16,6 +16,12 @@ int64 routes: pass them as numpy arrays (they are checked on the host, so IDs
 past int32 stay padding). A jax array, or a ``jax.jit`` argument, is already
 int32 unless x64 is enabled: JAX itself wraps huge int64 IDs when converting.
 
+Each implementation that declines while another is left to try is logged on the
+``"qsa_jax"`` logger with its reason, as ``qsa_torch`` logs its skipped backends: a missing
+runtime (``ImportError``, e.g. no jax-triton, so the GPU default runs the slower Pallas
+kernels) at WARNING, a refusal of the inputs at INFO, each message at that level the
+first time and at DEBUG afterwards. Under ``jax.jit`` this happens when the call is traced.
+
 ``deterministic=True`` asks for bitwise-reproducible gradients. ``"triton"`` gives them
 (int64 fixed-point dK/dV, ``qsa_triton.fixed_point``); ``"pallas"`` declines (its dK/dV
 are fp32 atomics); ``"xla"`` is deterministic on CPU, while on GPUs the scatter-add of
@@ -27,6 +33,7 @@ backend starts) it declines on GPUs.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +43,21 @@ from .xla_reference import reference_sparse_gqa_attention
 
 __all__ = ["sparse_gqa_attention", "IMPLEMENTATIONS", "GPU_DEFAULT", "DETERMINISTIC_XLA_FLAGS",
            "xla_gpu_deterministic"]
+
+
+logger = logging.getLogger("qsa_jax")
+_LOGGED: set[str] = set()
+
+
+def _log_decline(name: str, err: Exception) -> None:
+    """Log that implementation ``name`` declined with ``err`` and the next is tried:
+    WARNING (a missing runtime) or INFO the first time a message is seen, DEBUG afterwards."""
+    message = f"sparse_gqa_attention: implementation {name!r} declined ({type(err).__name__}: {err}); trying the next"
+    if message in _LOGGED:
+        logger.debug(message)
+    else:
+        _LOGGED.add(message)
+        logger.log(logging.WARNING if isinstance(err, ImportError) else logging.INFO, message)
 
 
 # XLA flags under which XLA:GPU's scatter-add (the reference's backward) is deterministic
@@ -150,7 +172,7 @@ def sparse_gqa_attention(
     else:
         names = _implementation_names(implementation)
     reasons, missing = [], []
-    for name in names:
+    for position, name in enumerate(names):
         try:
             return IMPLEMENTATIONS[name](
                 query, key, value, routes, checked.scale,
@@ -159,5 +181,7 @@ def sparse_gqa_attention(
         except (NotImplementedError, ImportError) as err:
             reasons.append(f"{name}: {err}")
             missing.append(isinstance(err, ImportError))
+            if position + 1 < len(names):
+                _log_decline(name, err)
     message = "no implementation accepted the inputs:\n  " + "\n  ".join(reasons)
     raise ImportError(message) if all(missing) else NotImplementedError(message)

@@ -15,6 +15,7 @@ same interpreter, bit for bit against the torch launch of the same kernels.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -414,11 +415,11 @@ def test_importing_jax_triton_keeps_tritons_cache_directory(monkeypatch, before)
     assert os.environ.get("TRITON_CACHE_DIR") == before
 
 
-def test_missing_jax_triton_raises_import_error_on_first_use(monkeypatch):
+def test_missing_jax_triton_raises_import_error_on_first_use(monkeypatch, caplog):
     """The first call without jax-triton raises ImportError naming it; a list of
-    implementations moves on to the next (test_imports checks that importing the
-    module needs nothing optional)."""
-    from qsa_jax import _triton_call, sparse_gqa_attention
+    implementations moves on to the next, with a WARNING on the "qsa_jax" logger
+    (test_imports checks that importing the module needs nothing optional)."""
+    from qsa_jax import _triton_call, attention, sparse_gqa_attention
 
     monkeypatch.setitem(sys.modules, "jax_triton", None)
     _triton_call.default_launcher.cache_clear()
@@ -429,8 +430,12 @@ def test_missing_jax_triton_raises_import_error_on_first_use(monkeypatch):
             jt.triton_sparse_gqa_attention(x, x, x, routes)
         with pytest.raises(ImportError, match="jax-triton"):
             sparse_gqa_attention(x, x, x, routes, implementation="triton")
-        out = sparse_gqa_attention(x, x, x, routes, implementation=("triton", "xla"))
+        monkeypatch.setattr(attention, "_LOGGED", set())
+        with caplog.at_level(logging.INFO, logger="qsa_jax"):
+            out = sparse_gqa_attention(x, x, x, routes, implementation=("triton", "xla"))
         assert out.shape == x.shape
+        declined = [r for r in caplog.records if "'triton' declined" in r.getMessage()]
+        assert [r.levelno for r in declined] == [logging.WARNING] and "jax-triton" in declined[0].getMessage()
     finally:
         _triton_call.default_launcher.cache_clear()
 

@@ -139,17 +139,31 @@ def test_float64_and_large_head_dim_are_refused():
         assert isinstance(err.value, NotImplementedError) and isinstance(err.value, UnsupportedDtype)
 
 
-def test_implementation_list_falls_back_with_reasons():
+def test_implementation_list_falls_back_with_reasons(monkeypatch, caplog):
+    """A declined implementation is logged with its reason (INFO the first time, DEBUG
+    after) when another is left to try; the last one's refusal raises instead."""
+    import logging
+
     import jax.numpy as jnp
 
-    from qsa_jax import sparse_gqa_attention
+    from qsa_jax import attention, sparse_gqa_attention
 
+    monkeypatch.setattr(attention, "_LOGGED", set())
     x = jnp.ones((1, 4, 1, 512), jnp.float32)
     routes = np.zeros((1, 4, 2), np.int32)
-    out = sparse_gqa_attention(x, x, x, routes, implementation=["pallas", "xla"], interpret=True)
-    assert out.shape == x.shape
-    with pytest.raises(NotImplementedError, match="pallas: .*head dim"):
-        sparse_gqa_attention(x, x, x, routes, implementation=["pallas"], interpret=True)
+    for level in (logging.INFO, logging.DEBUG):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="qsa_jax"):
+            out = sparse_gqa_attention(x, x, x, routes, implementation=["pallas", "xla"], interpret=True)
+        assert out.shape == x.shape
+        declined = [r for r in caplog.records if "'pallas' declined" in r.getMessage()]
+        assert [r.levelno for r in declined] == [level], caplog.records
+        assert "head dim" in declined[0].getMessage() and declined[0].name == "qsa_jax"
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="qsa_jax"):
+        with pytest.raises(NotImplementedError, match="pallas: .*head dim"):
+            sparse_gqa_attention(x, x, x, routes, implementation=["pallas"], interpret=True)
+    assert not [r for r in caplog.records if "declined" in r.getMessage()]
     with pytest.raises(ValueError, match="unknown implementation"):
         sparse_gqa_attention(x, x, x, routes, implementation="cuda")
 
