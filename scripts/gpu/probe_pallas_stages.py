@@ -1,6 +1,6 @@
 """Which JAX Pallas kernel asks for more shared memory than the H200 has, and which stage
 count fits: forward alone and forward+backward at (24,2) D=256 bf16, S=32768, B=1, window
-routes (W = 2052), for the default block sizes and fewer forward stages.
+routes (W = 2052), for the default block sizes (two forward stages), three and one.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 scripts/gpu/probe_pallas_stages.py --out p.json
 """
@@ -32,7 +32,7 @@ def main() -> None:
     default = BlockSizes.default(256, False, jnp.bfloat16, (9, 0))
     record = Record(args.out, default_block_sizes=str(default))
     reference = {}
-    for name, bs in (("default", default), ("stages2", dataclasses.replace(default, num_stages=2)),
+    for name, bs in (("default", default), ("stages3", dataclasses.replace(default, num_stages=3)),
                      ("stages1", dataclasses.replace(default, num_stages=1))):
         def forward(bs=bs):
             f = jax.jit(lambda a, b, c, r: qsa_jax.sparse_gqa_attention(a, b, c, r, implementation="pallas",

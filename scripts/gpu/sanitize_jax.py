@@ -28,6 +28,7 @@ import argparse
 import faulthandler
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -87,12 +88,14 @@ def probe(implementations, case=None) -> int:
     from qsa_jax import sparse_gqa_attention
 
     log(jax.__version__, jax.devices())
-    rng = np.random.default_rng(0)
-    worst = 0.0
+    worst, ran = 0.0, 0
     for implementation in implementations:
         for index, (problem, heads, dtype, blocks, tol, label) in enumerate(_cases(implementation)):
             if case is not None and index != case:
                 continue
+            ran += 1
+            # seeded by the case, so a case run alone gets the inputs it gets among all
+            rng = np.random.default_rng(index)
             q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, heads, 256, dtype)
             jdt = jnp.dtype(dtype)
 
@@ -107,6 +110,9 @@ def probe(implementations, case=None) -> int:
             errs = [relative_error(g, w) for g, w in zip(got, want)]
             log("probe", implementation, label, problem.layout, heads, dtype, ["%.2e" % e for e in errs])
             worst = max(worst, max(e / tol for e in errs))
+    if not ran:
+        log(f"PROBE_NOTHING_RAN: no case {case} of {implementations}")
+        return 2
     log("PROBE_OK" if worst < 1 else "PROBE_NUMERICS_FAIL")
     return 0 if worst < 1 else 2
 
@@ -133,7 +139,8 @@ def main() -> int:
         deadline = time.monotonic() + args.timeout_s
         summary["runs"] = [_sanitize(tool, implementation, case, args.out, deadline - time.monotonic())
                            for implementation in implementations for case in range(_count_cases(implementation))]
-        summary["ok"] = all(run["returncode"] == 0 and run["probe_ok"] for run in summary["runs"])
+        summary["ok"] = bool(summary["runs"]) and all(run["returncode"] == 0 and run["probe_ok"]
+                                                     for run in summary["runs"])
     with open(os.path.join(args.out, "sanitize_jax.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     for run in summary.get("runs", []):
@@ -153,17 +160,23 @@ def _sanitize(tool: str, implementation: str, case: int, out: str, timeout_s: fl
     command = [tool, "--tool", "memcheck", "--print-limit", "30", "--error-exitcode", "3", sys.executable,
                os.path.abspath(__file__), "--probe", "--implementation", implementation, "--case", str(case)]
     log_path = os.path.join(out, f"sanitize_jax_{implementation}_{case}.log")
+    start = time.monotonic()
     with open(log_path, "w") as log_file:
-        try:
-            if timeout_s <= 0:
-                raise subprocess.TimeoutExpired(command, 0)
-            rc = subprocess.run(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
-                                timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = "timeout"
+        if timeout_s > 0:
+            # its own session, so that a timeout ends the probe under the sanitizer too
+            proc = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    elapsed = time.monotonic() - start
     text = open(log_path, errors="replace").read()
     lines = [line for line in text.splitlines() if "ERROR SUMMARY" in line]
     return dict(implementation=implementation, case=case, command=" ".join(command), returncode=rc,
+                elapsed_s=round(elapsed, 1),
                 error_summary=lines[-1] if lines else None, probe_ok="PROBE_OK" in text,
                 probes=[line for line in text.splitlines() if line.startswith("probe ")], tail=text[-2000:])
 

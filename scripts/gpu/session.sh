@@ -320,11 +320,11 @@ bitwise)
 pallastime)
   # forward+backward at J 0.8 and 0.3 (S=32768) with the forward's third stage and without, then
   # S=8192 and 131072; JAX cuDNN dense in each process
-  alone time_j08 240 python3 scripts/gpu/jax_kernel.py --out "$R/time_j08" --time --sizes 32768 --overlap 0.8 \
+  alone time_j08 200 python3 scripts/gpu/jax_kernel.py --out "$R/time_j08" --time --sizes 32768 --overlap 0.8 \
     --configs triton,pallas,pallas-s3
-  alone time_j03 200 python3 scripts/gpu/jax_kernel.py --out "$R/time_j03" --time --sizes 32768 --overlap 0.3 \
+  alone time_j03 150 python3 scripts/gpu/jax_kernel.py --out "$R/time_j03" --time --sizes 32768 --overlap 0.3 \
     --configs pallas,pallas-s3
-  alone time_s 280 python3 scripts/gpu/jax_kernel.py --out "$R/time_s" --time --sizes 8192,131072 --overlap 0.8 \
+  alone time_s 240 python3 scripts/gpu/jax_kernel.py --out "$R/time_s" --time --sizes 8192,131072 --overlap 0.8 \
     --configs triton,pallas
   ;;
 pallascheck)
