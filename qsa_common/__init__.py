@@ -2,8 +2,9 @@
 
 numpy only: the shape/scale half of the input contract, the route generators
 and training layouts (so both frameworks see identical routes from one seed),
-route overlap statistics (adjacent-row Jaccard, tile-union inflation) and the
-float64 oracle. Nothing here imports torch or jax.
+route overlap statistics (adjacent-row Jaccard, tile-union inflation), the
+float64 oracle and the dispatchers' log-once rule (``log_once``). Nothing here imports
+torch or jax.
 """
 
 from .contract import ProblemDims, check_shapes, resolve_scale

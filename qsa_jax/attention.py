@@ -38,6 +38,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from qsa_common.log_once import log_once
+
 from .routes import on_gpu, prepare_routes, validate_inputs
 from .xla_reference import reference_sparse_gqa_attention
 
@@ -53,11 +55,7 @@ def _log_decline(name: str, err: Exception) -> None:
     """Log that implementation ``name`` declined with ``err`` and the next is tried:
     WARNING (a missing runtime) or INFO the first time a message is seen, DEBUG afterwards."""
     message = f"sparse_gqa_attention: implementation {name!r} declined ({type(err).__name__}: {err}); trying the next"
-    if message in _LOGGED:
-        logger.debug(message)
-    else:
-        _LOGGED.add(message)
-        logger.log(logging.WARNING if isinstance(err, ImportError) else logging.INFO, message)
+    log_once(logger, _LOGGED, message, logging.WARNING if isinstance(err, ImportError) else logging.INFO)
 
 
 # XLA flags under which XLA:GPU's scatter-add (the reference's backward) is deterministic

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qsa_common.log_once import log_once
 from qsa_triton.launch import interprets as _triton_interprets
 
 from .routes import ProblemDims, validate_inputs, warn_unverified
@@ -120,11 +121,7 @@ _LOGGED: set[str] = set()
 
 def _log(message: str, level: int = logging.INFO) -> None:
     """Log ``message`` at ``level`` the first time, at DEBUG afterwards."""
-    if message in _LOGGED:
-        logger.debug(message)
-    else:
-        _LOGGED.add(message)
-        logger.log(level, message)
+    log_once(logger, _LOGGED, message, level)
 
 
 def device_class(device: torch.device) -> str:

@@ -239,27 +239,41 @@ def test_donated_and_sharded_inputs():
     assert relative_error(np.asarray(out), want) < 1e-5
 
 
+def _capture_triton_lowerings(monkeypatch, keep) -> list:
+    """``keep(result)`` of Pallas' Triton lowering of each kernel lowered from now on (read
+    while the lowering's MLIR context is live), for kernels lowered for CUDA with
+    ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``, no GPU needed."""
+    from jax._src.pallas.triton import lowering, pallas_call_registration
+
+    kept = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        kept.append(keep(result))
+        return result
+
+    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    return kept
+
+
+def _ttir(result) -> str:
+    """The Triton IR text of a lowered kernel."""
+    return result.module.operation.get_asm(enable_debug_info=False)
+
+
 def test_backward_lowers_dkdv_adds_to_relaxed_atomics(monkeypatch):
     """On GPU the dK/dV adds must be relaxed-order atomics: Pallas' own addupdate
     lowers to acquire-release ones, which made the backward ~4x slower on the H200.
     Lowered here for CUDA without a GPU (Pallas falls back to SM90 for the lowering)."""
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import lowering, pallas_call_registration
 
     from qsa_jax import _pallas_atomics
     from qsa_jax import pallas_qsa as pq
 
     assert _pallas_atomics.RELAXED, "the relaxed atomic primitive did not build on this JAX"
-    modules = []
-    original = lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = original(*args, **kwargs)
-        modules.append(result.module.operation.get_asm())
-        return result
-
-    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    modules = _capture_triton_lowerings(monkeypatch, _ttir)
     s, hq, hkv, d = 64, 4, 2, 64
     bs = pq.BlockSizes(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
     geo = pq._Geometry.make(hq // hkv, d, bs.block_m_bwd, bs.block_k_bwd)
@@ -520,19 +534,10 @@ def test_launch_grid_folds_past_cuda_limits(monkeypatch):
 
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import lowering, pallas_call_registration
 
     from qsa_jax import pallas_qsa as pq
 
-    grids = []
-    original = lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = original(*args, **kwargs)
-        grids.append(tuple(result.grid))
-        return result
-
-    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    grids = _capture_triton_lowerings(monkeypatch, lambda result: tuple(result.grid))
     bsz, s, hq, hkv, d = 70_000, 16, 2, 1, 16
     bs = pq.BlockSizes(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
     geo = pq._Geometry.make(hq // hkv, d, bs.block_m, bs.block_k)
@@ -588,20 +593,11 @@ def test_default_tiles_fit_shared_memory(monkeypatch, tmp_path, kernel, head_dim
     triton = pytest.importorskip("triton", reason="compiling the kernels for a GPU architecture needs Triton")
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import lowering, pallas_call_registration
     from triton.backends.compiler import GPUTarget
 
     from qsa_jax import pallas_qsa as pq
 
-    modules = []
-    original = lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = original(*args, **kwargs)
-        modules.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
-    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    modules = _capture_triton_lowerings(monkeypatch, _ttir)
     dt = jnp.dtype(dtype)
     bs = pq.BlockSizes.default(head_dim, False, dt, capability)
     (hq, hkv), d, s, width = (24, 2), head_dim, 64, 2052

@@ -138,7 +138,7 @@ def main() -> int:
     else:
         deadline = time.monotonic() + args.timeout_s
         summary["runs"] = [_sanitize(tool, implementation, case, args.out, deadline - time.monotonic())
-                           for implementation in implementations for case in range(_count_cases(implementation))]
+                           for implementation in implementations for case in range(len(_cases(implementation)))]
         summary["ok"] = bool(summary["runs"]) and all(run["returncode"] == 0 and run["probe_ok"]
                                                      for run in summary["runs"])
     with open(os.path.join(args.out, "sanitize_jax.json"), "w") as f:
@@ -149,10 +149,6 @@ def main() -> int:
     if "error" in summary:
         log("sanitizer:", summary["error"])
     return 0 if summary.get("ok") else 1
-
-
-def _count_cases(implementation: str) -> int:
-    return len(_cases(implementation))
 
 
 def _sanitize(tool: str, implementation: str, case: int, out: str, timeout_s: float) -> dict:
