@@ -33,6 +33,7 @@
 #                                                          bash scripts/gpu/session.sh sm90ab
 #   the same for the backward alone, with its GPU tests and the step beside dense (carry .base .whl):
 #                                                          bash scripts/gpu/session.sh bwdab
+#   the same for the forward alone (carry .base .whl):    bash scripts/gpu/session.sh fwdab
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -43,7 +44,7 @@
 # repacked after every step, so a call cut short still brings back every finished step in
 # one file (the device returns only a few files per call).
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, adds, spot, profile, complete, final, sweep, lowoverlap, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, bwdab, adopt, bitwise, race, pallastime, pallascheck or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, adds, spot, profile, complete, final, sweep, lowoverlap, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, bwdab, fwdab, adopt, bitwise, race, pallastime, pallascheck or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 scratch=$(mktemp -d)
@@ -309,6 +310,20 @@ bwdab)
   alone bench 120 python3 -m parity.bench --heads 24:2 --seq-lens 131072 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
     --backends torch-dense-sdpa,triton,jax-triton --time-budget 100 --out "$R/bench"
   beside gpu_tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_backward_sm90.py tests/test_jax_triton.py \
+    tests/test_triton_qsa.py tests/test_torch_api.py
+  wait
+  ;;
+fwdab)
+  # this tree's Hopper forward beside .base's in one call: the probe's checks, then each timing
+  # step (S=32768 at J 0.3 and 0.8, S=131072 at J 0.8) in both trees, twice; the step beside
+  # dense, alone; the forward's GPU tests and both frameworks' Triton tests side by side
+  alone probe_forward 200 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe_forward" --against .base \
+    --seq-lens 32768 131072 --overlaps 0.8 --budget-s 180 --timeout-s 100
+  alone probe_forward_again 150 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe_forward_again" \
+    --against .base --seq-lens 32768 131072 --overlaps 0.8 0.3 --budget-s 140 --timeout-s 80
+  alone bench 120 python3 -m parity.bench --heads 24:2 --seq-lens 131072 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
+    --backends torch-dense-sdpa,triton,jax-triton --time-budget 100 --out "$R/bench"
+  beside gpu_tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_jax_triton.py \
     tests/test_triton_qsa.py tests/test_torch_api.py
   wait
   ;;
