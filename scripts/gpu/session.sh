@@ -315,12 +315,12 @@ bwdab)
   ;;
 fwdab)
   # this tree's Hopper forward beside .base's in one call: the probe's checks, then each timing
-  # step (S=32768 at J 0.3 and 0.8, S=131072 at J 0.8) in both trees, twice; the step beside
+  # step (S=32768 at J 0.3 and 0.8, S=131072 at J 0.8) in both trees, J 0.8 twice; the step beside
   # dense, alone; the forward's GPU tests and both frameworks' Triton tests side by side
   alone probe_forward 200 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe_forward" --against .base \
     --seq-lens 32768 131072 --overlaps 0.8 --budget-s 180 --timeout-s 100
   alone probe_forward_again 150 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe_forward_again" \
-    --against .base --seq-lens 32768 131072 --overlaps 0.8 0.3 --budget-s 140 --timeout-s 80
+    --against .base --seq-lens 32768 --overlaps 0.8 0.3 --budget-s 140 --timeout-s 80
   alone bench 120 python3 -m parity.bench --heads 24:2 --seq-lens 131072 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
     --backends torch-dense-sdpa,triton,jax-triton --time-budget 100 --out "$R/bench"
   beside gpu_tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_jax_triton.py \
