@@ -81,6 +81,15 @@ side_by_side() {
   alone bench_12x1 120 python3 -m parity.bench --heads 12:1 --seq-lens 8192 --overlaps 0.8 \
     --overlaps-at 32768=0.3,0.8 --backends torch-dense-sdpa,triton,jax-triton --time-budget 90 --out "$R/bench_12x1"
 }
+# the A/B phases' tail: the step beside dense at S=32768 (J 0.3, 0.8) and 131072 alone, then
+# the kernel's GPU tests ($1) and both frameworks' Triton tests
+step_and_tests() {
+  alone bench 120 python3 -m parity.bench --heads 24:2 --seq-lens 131072 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
+    --backends torch-dense-sdpa,triton,jax-triton --time-budget 100 --out "$R/bench"
+  beside gpu_tests 260 python3 -m pytest -q -p no:cacheprovider "$1" tests/test_jax_triton.py tests/test_triton_qsa.py \
+    tests/test_torch_api.py
+  wait
+}
 python3 - > "$R/environment.log" 2>&1 <<'PY'
 import importlib, platform, subprocess
 print(platform.python_version(), subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout)
@@ -307,11 +316,7 @@ bwdab)
     --seq-lens 32768 131072 --overlaps 0.8 --budget-s 180 --timeout-s 120
   alone probe_backward_j03 100 python3 scripts/gpu/probe_backward_sm90.py --out "$R/probe_backward_j03" \
     --against .base --seq-lens 32768 --overlaps 0.3 --budget-s 90 --timeout-s 80 --skip-checks
-  alone bench 120 python3 -m parity.bench --heads 24:2 --seq-lens 131072 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
-    --backends torch-dense-sdpa,triton,jax-triton --time-budget 100 --out "$R/bench"
-  beside gpu_tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_backward_sm90.py tests/test_jax_triton.py \
-    tests/test_triton_qsa.py tests/test_torch_api.py
-  wait
+  step_and_tests tests/test_backward_sm90.py
   ;;
 fwdab)
   # this tree's Hopper forward beside .base's in one call: the probe's checks, then each timing
@@ -321,11 +326,7 @@ fwdab)
     --seq-lens 32768 131072 --overlaps 0.8 --budget-s 180 --timeout-s 100
   alone probe_forward_again 150 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe_forward_again" \
     --against .base --seq-lens 32768 --overlaps 0.8 0.3 --budget-s 140 --timeout-s 80
-  alone bench 120 python3 -m parity.bench --heads 24:2 --seq-lens 131072 --overlaps 0.8 --overlaps-at 32768=0.3,0.8 \
-    --backends torch-dense-sdpa,triton,jax-triton --time-budget 100 --out "$R/bench"
-  beside gpu_tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_forward_sm90.py tests/test_jax_triton.py \
-    tests/test_triton_qsa.py tests/test_torch_api.py
-  wait
+  step_and_tests tests/test_forward_sm90.py
   ;;
 sm90bwd)
   # the Hopper backward (the default non-deterministic backward on sm_90) against backward.py:
