@@ -1,6 +1,7 @@
 """How fast the GPU takes the Hopper backward's dK/dV adds alone, with nothing else running.
 
     python3 scripts/gpu/probe_red_rate.py --out DIR [--seq-lens 32768] [--overlaps 0.8 0.3]
+        [--sm-fractions 0.5 0.25]
 
 The backward (``qsa_triton.backward_sm90``) adds, per program and 64-ID union chunk, 16
 [64, 32] fp32 blocks into dK and dV with relaxed v4 atomics, 8 lanes x 16 bytes per row
@@ -14,6 +15,9 @@ events), as:
 * ``red_8warps``: one persistent CTA of 8 warps per SM (the backward's two consumer
   warpgroups' worth of issuing warps), walking the programs in the kernel's order;
   ``red_4warps`` / ``red_16warps``: the same with 4 warps (the producer's) or 16 per SM;
+* ``red_8warps_sms<N>``: ``red_8warps`` on N SMs only (``--sm-fractions``): whether one
+  SM's adds are capped below its share of the L2's rate (a per-SM cap shows as the same
+  bytes per SM and second at every N);
 * ``red_many_l2``: ``red_many`` with every ID folded into the first 2048 rows (dK and dV
   then fit in the L2: its reduction rate without misses);
 * ``store_many``: ``red_many``'s pattern with plain stores (the L2's write rate, for scale);
@@ -119,6 +123,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768])
     parser.add_argument("--overlaps", type=float, nargs="+", default=[0.8, 0.3])
+    parser.add_argument("--sm-fractions", type=float, nargs="*", default=[],
+                        help="also red_8warps on these fractions of the SMs")
     parser.add_argument("--budget-s", type=float, default=120.0)
     args = parser.parse_args(argv)
 
@@ -156,11 +162,18 @@ def main(argv=None) -> int:
             "red_many_l2": lambda: red_many[(n_tiles, hkv)](*common, width, *strides, STORE=False, INT64=False,
                                                              ROW_MASK=L2_ROWS - 1, num_warps=4),
         }
+        used = {name: sms for name in runs}
+        for fraction in args.sm_fractions:
+            n = max(1, int(sms * fraction))
+            runs[f"red_8warps_sms{n}"] = lambda n=n: red_persistent[(n,)](*common, n_tiles, hkv, width, *strides,
+                                                                          num_warps=8)
+            used[f"red_8warps_sms{n}"] = n
         for name, fn in runs.items():
             def measure(fn=fn, name=name):
                 ms = shape.timer(fn)
                 moved = gbytes * (2 if "int64" in name else 1)
-                return {"ms": ms, "gbytes": moved, "tb_per_s": moved / ms, "chunks": chunks}
+                return {"ms": ms, "gbytes": moved, "tb_per_s": moved / ms, "chunks": chunks,
+                        "sms": used[name], "gb_per_s_per_sm": moved / ms * 1e3 / used[name]}
             record.run(f"S={seq}/J={overlap}", name, measure)
         del dk, dv, dk64, dv64
     log("done")

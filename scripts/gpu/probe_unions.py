@@ -7,7 +7,8 @@ Per S and overlap: QSA-format routes from the benchmark's generator (``parity.be
 B=1, top_k 512; every head shares them), the default plan of (24,2) heads at D=256 bf16 on
 this GPU. In a process of its own (``gpu_common.run_step``): CUDA-event medians (ms) of
 torch's ``build_unions`` as the attention call runs it (unpadded, where the tree has ``padded``; the padded ones too),
-its peak memory above the inputs, wall-clock medians of JAX's jitted ``build_unions``, and a
+its two stages apart (the step's tile unions, then their cut into programs, where the plan
+cuts), its peak memory above the inputs, wall-clock medians of JAX's jitted ``build_unions``, and a
 digest of the unions (counts, and the IDs and row bits up to each count) that must be
 equal across trees and frameworks. ``--against`` runs the same step with another
 checkout's modules (this script copied there: it uses only ``build_unions`` of both
@@ -85,6 +86,16 @@ def _timing(seq: int, overlap: float) -> dict:
     if own:
         result["torch_padded_ms"] = cuda_ms(lambda: unions.build_unions(routes, seq, plan))
     del got
+    # the two stages apart: the step's tile unions, then their cut into programs
+    from qsa_triton.plan import union_recipe
+
+    step, cut = union_recipe(plan, seq, routes.shape[2], seq, routes.shape[0])
+    tiles = lambda: unions.step_unions(routes, seq, step, plan.max_grid_y, padded=False)  # noqa: E731
+    result["torch_tiles_ms"] = cuda_ms(tiles)
+    if cut is not None:
+        parents = tiles()
+        result["torch_cut_ms"] = cuda_ms(lambda: unions.cut_unions(parents, cut, plan.max_grid_y, padded=False))
+        del parents
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

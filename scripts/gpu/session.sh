@@ -34,6 +34,10 @@
 #   the same for the backward alone, with its GPU tests and the step beside dense (carry .base .whl):
 #                                                          bash scripts/gpu/session.sh bwdab
 #   the same for the forward alone (carry .base .whl):    bash scripts/gpu/session.sh fwdab
+#   this tree's route unions beside .base's, memcheck and the Triton tests (carry .base .whl):
+#                                                          bash scripts/gpu/session.sh unionab
+#   the adds alone on fewer SMs, then unionab's timing and tests without memcheck (carry .base .whl):
+#                                                          bash scripts/gpu/session.sh redcap
 #
 # .gpu/ comes from ../shared/gpu/bundle-wheels.sh (FA4, cuDNN frontend, jax-triton 0.3.1);
 # .whl/ holds nemo-automodel 0.7.0 and jax-triton 0.3.1 wheels (pip download --no-deps), the
@@ -44,7 +48,7 @@
 # repacked after every step, so a call cut short still brings back every finished step in
 # one file (the device returns only a few files per call).
 set -u
-phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, adds, spot, profile, complete, final, sweep, lowoverlap, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, bwdab, fwdab, adopt, bitwise, race, pallastime, pallascheck or recheck}
+phase=${1:?bench, timing, correctness, fa4, verify, tiles, chunks, atomics, adds, spot, profile, complete, final, sweep, lowoverlap, host, sm90fwd, sm90bwd, sm90next, sm90check, sm90ab, bwdab, fwdab, unionab, redcap, adopt, bitwise, race, pallastime, pallascheck or recheck}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 scratch=$(mktemp -d)
@@ -327,6 +331,27 @@ fwdab)
   alone probe_forward_again 150 python3 scripts/gpu/probe_forward_sm90.py --out "$R/probe_forward_again" \
     --against .base --seq-lens 32768 --overlaps 0.8 0.3 --budget-s 140 --timeout-s 80
   step_and_tests tests/test_forward_sm90.py
+  ;;
+unionab)
+  # this tree's route unions beside .base's: torch's and JAX's build_unions at each S and
+  # overlap in both trees (digests must agree), with the rank and sort recipes side by side
+  # at S=32768 for S_kv up to 64 S; then memcheck of the torch Triton path and both
+  # frameworks' Triton tests, side by side
+  alone probe_unions 280 python3 scripts/gpu/probe_unions.py --out "$R/probe_unions" --against .base \
+    --seq-lens 32768 131072 8192 --overlaps 0.8 0.3 --kv-scales 1 16 32 64 --budget-s 260 --timeout-s 100
+  beside sanitize_triton 300 compute-sanitizer --tool memcheck --print-limit 30 \
+    python3 scripts/gpu/check_triton.py --sanitizer-probe
+  beside gpu_tests 280 python3 -m pytest -q -p no:cacheprovider tests/test_triton_qsa.py tests/test_jax_triton.py
+  wait
+  ;;
+redcap)
+  # the backward's adds alone on all SMs and on fewer (a per-SM cap on the adds), then this
+  # tree's route unions beside .base's at S=32768 and 131072, then both frameworks' Triton tests
+  alone red_rate 150 python3 scripts/gpu/probe_red_rate.py --out "$R/red_rate" --seq-lens 32768 --overlaps 0.8 \
+    --sm-fractions 0.5 0.25 0.125 --budget-s 140
+  alone probe_unions 200 python3 scripts/gpu/probe_unions.py --out "$R/probe_unions" --against .base \
+    --seq-lens 32768 131072 --overlaps 0.8 --kv-scales 1 16 32 --budget-s 180 --timeout-s 100
+  alone gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_qsa.py tests/test_jax_triton.py
   ;;
 sm90bwd)
   # the Hopper backward (the default non-deterministic backward on sm_90) against backward.py:
