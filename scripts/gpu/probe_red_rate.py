@@ -149,31 +149,31 @@ def main(argv=None) -> int:
         gbytes = chunks * hkv * 2 * 64 * shape.head_dim * 4 / 1e9
         common = (dk, dv, union, count)
         strides = (dk.stride(1), dk.stride(2))
+
+        def persistent(n_sms, warps):
+            return lambda: red_persistent[(n_sms,)](*common, n_tiles, hkv, width, *strides, num_warps=warps)
+
         runs = {
             "red_many": lambda: red_many[(n_tiles, hkv)](*common, width, *strides, STORE=False, INT64=False,
                                                           ROW_MASK=0, num_warps=4),
             "store_many": lambda: red_many[(n_tiles, hkv)](*common, width, *strides, STORE=True, INT64=False,
                                                             ROW_MASK=0, num_warps=4),
-            "red_8warps": lambda: red_persistent[(sms,)](*common, n_tiles, hkv, width, *strides, num_warps=8),
-            "red_4warps": lambda: red_persistent[(sms,)](*common, n_tiles, hkv, width, *strides, num_warps=4),
-            "red_16warps": lambda: red_persistent[(sms,)](*common, n_tiles, hkv, width, *strides, num_warps=16),
+            "red_8warps": persistent(sms, 8),
+            "red_4warps": persistent(sms, 4),
+            "red_16warps": persistent(sms, 16),
             "red_int64_many": lambda: red_many[(n_tiles, hkv)](dk64, dv64, union, count, width, *strides, STORE=False,
                                                                 INT64=True, ROW_MASK=0, num_warps=4),
             "red_many_l2": lambda: red_many[(n_tiles, hkv)](*common, width, *strides, STORE=False, INT64=False,
                                                              ROW_MASK=L2_ROWS - 1, num_warps=4),
         }
-        used = {name: sms for name in runs}
-        for fraction in args.sm_fractions:
-            n = max(1, int(sms * fraction))
-            runs[f"red_8warps_sms{n}"] = lambda n=n: red_persistent[(n,)](*common, n_tiles, hkv, width, *strides,
-                                                                          num_warps=8)
-            used[f"red_8warps_sms{n}"] = n
+        fewer = {f"red_8warps_sms{n}": n for n in (max(1, int(sms * f)) for f in args.sm_fractions)}
+        runs.update({name: persistent(n, 8) for name, n in fewer.items()})
         for name, fn in runs.items():
             def measure(fn=fn, name=name):
                 ms = shape.timer(fn)
                 moved = gbytes * (2 if "int64" in name else 1)
                 return {"ms": ms, "gbytes": moved, "tb_per_s": moved / ms, "chunks": chunks,
-                        "sms": used[name], "gb_per_s_per_sm": moved / ms * 1e3 / used[name]}
+                        "sms": fewer.get(name, sms), "gb_per_s_per_sm": moved / ms * 1e3 / fewer.get(name, sms)}
             record.run(f"S={seq}/J={overlap}", name, measure)
         del dk, dv, dk64, dv64
     log("done")
