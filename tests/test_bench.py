@@ -560,3 +560,20 @@ def test_stress_bitwise_dry_run_and_its_mismatch_report(tmp_path):
     stress.reference["det_dk"][flipped] ^= 1
     stress.check()
     assert [(m["result"], m["elements"], m["first"]) for m in stress.mismatches] == [("det_dk", 1, [list(flipped)])]
+
+
+def test_gpu_run_summary_reports_skipped_parts_as_skipped(tmp_path):
+    """scripts/gpu/run_parity_and_bench.py's summary: a part its flag skipped reads as
+    skipped; a part that ran and left no report reads as missing, with the reason."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu"))
+    import run_parity_and_bench as run
+
+    run.summary(str(tmp_path), {"parity-padded": "exit 0"}, ran_parity=True, ran_bench=False)
+    text = (tmp_path / "summary.md").read_text()
+    assert "BENCH: skipped (--skip-bench)" in text and "BENCH: no report" not in text
+    assert "PARITY: no merged report (FileNotFoundError" in text
+    assert "| parity-padded | exit 0 |" in text
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"parity-padded": "exit 0"}
+    run.summary(str(tmp_path), {}, ran_parity=False, ran_bench=True)
+    text = (tmp_path / "summary.md").read_text()
+    assert "PARITY: skipped (--skip-parity)" in text and "BENCH: no report (FileNotFoundError" in text

@@ -167,27 +167,13 @@ def bench(out: str, budget: float, extra: list[str]) -> dict:
     return statuses
 
 
-def summary(out: str, steps: dict) -> None:
+def summary(out: str, steps: dict, ran_parity: bool = True, ran_bench: bool = True) -> None:
+    """summary.md / summary.json of a run; a part skipped by its flag is reported as skipped,
+    not as a missing report."""
     lines = ["# GPU run: parity and benchmark", "", "| step | status |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in steps.items()]
-    text_parts = []
-    try:
-        from parity.report import summary_text
-        from parity.suite import load_result
-
-        with open(os.path.join(out, "parity", "parity.json")) as f:
-            result = load_result(json.load(f))
-        text_parts.append("PARITY (--gpu)\n" + summary_text(result))
-    except Exception as err:  # noqa: BLE001
-        text_parts.append(f"PARITY: no merged report ({type(err).__name__}: {err})")
-    try:
-        from parity.bench_report import console_summary
-
-        with open(os.path.join(out, "bench", "bench.json")) as f:
-            rows = json.load(f)["results"]
-        text_parts.append("BENCH\n" + console_summary(rows))
-    except Exception as err:  # noqa: BLE001
-        text_parts.append(f"BENCH: no report ({type(err).__name__}: {err})")
+    text_parts = [_parity_text(out) if ran_parity else "PARITY: skipped (--skip-parity)",
+                  _bench_text(out) if ran_bench else "BENCH: skipped (--skip-bench)"]
     body = "\n\n".join(text_parts)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n\n```\n" + body + "\n```\n")
@@ -195,6 +181,29 @@ def summary(out: str, steps: dict) -> None:
         json.dump(steps, f, indent=1)
     print("\n".join(lines), flush=True)
     print(body, flush=True)
+
+
+def _parity_text(out: str) -> str:
+    try:
+        from parity.report import summary_text
+        from parity.suite import load_result
+
+        with open(os.path.join(out, "parity", "parity.json")) as f:
+            result = load_result(json.load(f))
+        return "PARITY (--gpu)\n" + summary_text(result)
+    except Exception as err:  # noqa: BLE001
+        return f"PARITY: no merged report ({type(err).__name__}: {err})"
+
+
+def _bench_text(out: str) -> str:
+    try:
+        from parity.bench_report import console_summary
+
+        with open(os.path.join(out, "bench", "bench.json")) as f:
+            rows = json.load(f)["results"]
+        return "BENCH\n" + console_summary(rows)
+    except Exception as err:  # noqa: BLE001
+        return f"BENCH: no report ({type(err).__name__}: {err})"
 
 
 def main() -> int:
@@ -246,7 +255,7 @@ def main() -> int:
         if routes is not None:
             steps["routes"] = routes.wait(time.time() + 5)
     steps["total_seconds"] = round(time.time() - start)
-    summary(args.out, steps)
+    summary(args.out, steps, ran_parity=not args.skip_parity, ran_bench=not args.skip_bench)
     if args.pack:
         pack(args.out)
     return 0
