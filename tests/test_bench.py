@@ -16,6 +16,16 @@ from parity import bench, bench_report, bench_routes
 from qsa_common.route_stats import Tiling, route_stats
 
 
+def _gpu_script(name: str) -> types.ModuleType:
+    """A module of scripts/gpu/ (which the GPU scripts run as a directory on sys.path)."""
+    import importlib
+
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    return importlib.import_module(name)
+
+
 # ------------------------------------------------------------------ planning
 def test_overlap_sweep_plan():
     args = bench._parse(["--seq-lens", "8192,131072", "--heads", "24:2", "--overlaps", "0.8",
@@ -443,8 +453,7 @@ def test_probe_pair_adds_reduces_over_the_cluster_before_adding():
     on the cluster rank); ``pair_split`` adds half as many instructions per CTA (each its half of the
     columns)."""
     pytest.importorskip("triton.experimental.gluon")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu"))
-    import probe_pair_adds
+    probe_pair_adds = _gpu_script('probe_pair_adds')
 
     why = probe_pair_adds.supported()
     if why:
@@ -481,8 +490,7 @@ def test_trace_step_finds_the_gpu_idle_time_between_launches():
     launches (runtime or driver API) by correlation, and a step's idle time is its kernel
     span minus their durations. A synthetic trace with known gaps; a kernel launched
     outside the step is not counted."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu"))
-    import trace_step
+    trace_step = _gpu_script('trace_step')
 
     def x(name, cat, ts, dur, corr=None):
         return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur,
@@ -510,8 +518,7 @@ def test_run_step_reads_a_result_and_runs_the_other_checkout_on_its_own_modules(
     side): the JSON on the RESULT line; an error with the exit status and stderr, or the
     time limit; with ``tree``, the script of the same name in that tree, importing that
     tree's modules (a module the two trees both hold, with different contents)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu"))
-    import gpu_common
+    gpu_common = _gpu_script('gpu_common')
 
     token = int(np.random.default_rng().integers(1 << 30))
     script_text = ("import json, sys, time\nimport which_tree\n"
@@ -550,8 +557,7 @@ def test_stress_bitwise_dry_run_and_its_mismatch_report(tmp_path):
 
     import torch
 
-    sys.path.insert(0, os.path.join(root, "scripts", "gpu"))
-    import stress_bitwise
+    stress_bitwise = _gpu_script("stress_bitwise")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: conftest turned the interpreter on
     stress = stress_bitwise.Case("packed", (4, 2), 0.8, 64, 1, device, False)
@@ -565,8 +571,7 @@ def test_stress_bitwise_dry_run_and_its_mismatch_report(tmp_path):
 def test_gpu_run_summary_reports_skipped_parts_as_skipped(tmp_path):
     """scripts/gpu/run_parity_and_bench.py's summary: a part its flag skipped reads as
     skipped; a part that ran and left no report reads as missing, with the reason."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu"))
-    import run_parity_and_bench as run
+    run = _gpu_script('run_parity_and_bench')
 
     run.summary(str(tmp_path), {"parity-padded": "exit 0"}, ran_parity=True, ran_bench=False)
     text = (tmp_path / "summary.md").read_text()

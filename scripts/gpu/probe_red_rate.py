@@ -172,8 +172,9 @@ def main(argv=None) -> int:
             def measure(fn=fn, name=name):
                 ms = shape.timer(fn)
                 moved = gbytes * (2 if "int64" in name else 1)
+                n_sms = fewer.get(name, sms)
                 return {"ms": ms, "gbytes": moved, "tb_per_s": moved / ms, "chunks": chunks,
-                        "sms": fewer.get(name, sms), "gb_per_s_per_sm": moved / ms * 1e3 / fewer.get(name, sms)}
+                        "sms": n_sms, "gb_per_s_per_sm": moved / ms * 1e3 / n_sms}
             record.run(f"S={seq}/J={overlap}", name, measure)
         del dk, dv, dk64, dv64
     log("done")
