@@ -8,7 +8,7 @@ padded, packed and context-parallel problems. numpy drives all randomness, so
 
 Families:
 
-* ``"qsa"``: the Qwen3.8-Flash-Next route format (CONTRACT.md): the top_k
+* ``"qsa"``: the Qwen3.8-Flash-Next route format (docs/contract.md): the top_k
   complete four-token blocks a query can causally see, chosen by a score that
   drifts slowly along the sequence (so neighbouring queries share most of their
   blocks), then the query's causal tail, then -1. ``overlap=`` sets how much

@@ -10,7 +10,7 @@ four indexer keys (``((k0 + k1) + (k2 + k3)) * 0.25``), and the score
 in float32 (float64 for float64 input under x64). The ``top_k`` best visible
 blocks are kept, equal scores preferring the smaller block id; routes are the
 kept blocks ascending (four IDs each), then the causal tail
-``start + 4*((p+1)//4) .. t`` padded with -1, then -1 groups (CONTRACT.md's QSA
+``start + 4*((p+1)//4) .. t`` padded with -1, then -1 groups (docs/contract.md's QSA
 format). A token seeing at most ``top_k`` blocks keeps them all. Padding rows
 (``lengths``, or negative ``segment_ids``) are all -1; in packed rows each
 maximal run of equal ids is a document and blocks restart at its first token.

@@ -463,7 +463,7 @@ def sparse_gqa_attention(
             :data:`VERIFIED`) or one of ``"reference"``, ``"flex"``, ``"fa4"``,
             ``"cudnn"``, ``"triton"``.
         route_format: ``"qsa"`` promises that the routes follow the QSA route format
-            (four-token blocks plus the causal tail, CONTRACT.md), which lets ``"auto"``
+            (four-token blocks plus the causal tail, docs/contract.md), which lets ``"auto"``
             consider the cuDNN backend (it gives wrong answers for other route sets);
             ``"any"`` (default) makes no promise.
 

@@ -3,7 +3,7 @@
 Each rank holds a contiguous slice of the query rows and the matching slice of
 the key/value rows. K and V are all-gathered (one collective for both) into the
 global sequence, and each rank attends its local queries to the global K/V with
-routes in global coordinates (CONTRACT.md layout 3). The gather is an autograd
+routes in global coordinates (docs/contract.md layout 3). The gather is an autograd
 function whose backward reduce-scatters dK/dV, so every rank receives the
 gradient of exactly its own K/V slice, summed over all ranks' queries.
 

@@ -233,7 +233,7 @@ def cudnn_sparse_gqa_attention(
 ) -> torch.Tensor:
     """Route-sparse GQA on Blackwell through cuDNN Frontend's indexed QSA kernels.
 
-    Computes the contract's function (CONTRACT.md) for routes in the QSA format emitted by
+    Computes the contract's function (docs/contract.md) for routes in the QSA format emitted by
     the model's ratio-four indexer. The routes are used as given: this backend runs no
     indexer, and neither checks nor repairs the route values below (checking them would
     copy device data to the host on every call). Routes that break them give a wrong

@@ -9,7 +9,7 @@ one compressed key, the mean of its four indexer keys, and the score
 computed in float32 (float64 for float64 input). The ``top_k`` highest-scoring
 visible blocks are kept; equal scores prefer the smaller block id, so the
 selection is a deterministic function of the scores. The routes follow
-CONTRACT.md's QSA format: the kept blocks in ascending order, four IDs each,
+docs/contract.md's QSA format: the kept blocks in ascending order, four IDs each,
 then the causal tail ``start + 4*((p+1)//4) .. t`` padded with -1, then -1
 groups. A token that sees at most ``top_k`` blocks keeps them all.
 

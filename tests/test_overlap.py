@@ -56,7 +56,7 @@ def test_default_qsa_routes_are_unchanged():
 
 # ------------------------------------------------------------------ the knob
 def assert_qsa_format(routes: np.ndarray, top_k: int, local: int | None = None) -> None:
-    """Every row of document-local ``routes`` ``[L, W]`` keeps CONTRACT.md's QSA format
+    """Every row of document-local ``routes`` ``[L, W]`` keeps docs/contract.md's QSA format
     (vectorised, so it runs on long documents); ``local``: the newest visible blocks
     every selecting row must keep."""
     length, width = routes.shape

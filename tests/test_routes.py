@@ -20,7 +20,7 @@ def canonical_sets(routes: np.ndarray, kv_length: int) -> list[list[frozenset]]:
 
 # ------------------------------------------------------------------ generators
 def check_qsa_format(routes: np.ndarray, top_k: int) -> None:
-    """Every row of doc-local routes obeys CONTRACT.md's QSA format."""
+    """Every row of doc-local routes obeys docs/contract.md's QSA format."""
     length, width = routes.shape
     assert width == qsa_width(top_k) and width % 4 == 0
     for p in range(length):

@@ -55,7 +55,7 @@ non-CUDA tensors to upstream's own dispatch (CPU runs keep upstream's oracle) an
 sends CUDA tensors to ``qsa_torch.sparse_gqa_attention(..., backend="auto")``; a
 named backend (``"reference"``, ``"triton"``, ...) gets every call. The routes are
 passed with ``route_format="qsa"``: the indexer emits four-token blocks plus the causal
-tail, the QSA route format of CONTRACT.md.
+tail, the QSA route format of docs/contract.md.
 
 Under ``torch.compile`` the routed forward has no graph break at the attention call
 (with routes replayed it compiles with ``fullgraph=True``); the layer's graph breaks
