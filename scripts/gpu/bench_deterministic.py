@@ -1,8 +1,8 @@
-"""The Triton backend's deterministic backward on one H200 (issue 18), against the default.
+"""The Triton backend's deterministic backward against the default one (time, bits, errors).
 
-    python3 scripts/gpu/probe_deterministic.py --out $OUT               # < 2 minutes
-    python3 scripts/gpu/probe_deterministic.py --out $OUT --sanitizer   # memcheck, ~1-2 minutes
-    python3 scripts/gpu/probe_deterministic.py --out DIR --smoke        # CPU, Triton's interpreter
+    python3 scripts/gpu/bench_deterministic.py --out $OUT               # < 2 minutes
+    python3 scripts/gpu/bench_deterministic.py --out $OUT --sanitizer   # memcheck, ~1-2 minutes
+    python3 scripts/gpu/bench_deterministic.py --out DIR --smoke        # CPU, Triton's interpreter
 
 B=1, (Hq, Hkv) = (24, 2), D=256, bf16, QSA-format routes (qsa_common generators, top_k 512,
 int32) at S=32768 (``--seq-len``), the default (tuned) tiling, one process. Medians of CUDA
@@ -19,7 +19,7 @@ events (``gpu_common.cuda_ms``) of:
 * the fixed-point and default dk/dv against the fp32 torch reference, last, if the budget
   allows.
 
-Writes probe_deterministic.json (after every step) and probe_deterministic.md under --out and
+Writes deterministic.json (after every step) and deterministic.md under --out and
 prints a VERDICT line (the ratio to the default backward, against the target of 1.15). Each step's failure is recorded and the others
 still run.
 
@@ -28,7 +28,7 @@ still run.
 deterministic backward and conversion kernels; flat (12,1) and (24,2) programs of the default
 tiling, padded (6,1) tiles, and one-warp 16 x 16 tiles, whose layouts hold an element in
 several threads), each checked against the float64 oracle and for bitwise repeats; writes sanitizer.log and
-probe_deterministic_sanitizer.json.
+deterministic_sanitizer.json.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def run_sanitizer(out: str, timeout: float) -> int:
         summary = [line for line in text.splitlines() if "ERROR SUMMARY" in line]
         result = {"ran": True, "returncode": rc, "error_summary": summary[-1] if summary else None,
                   "probe_ok": "PROBE_OK" in text, "command": " ".join(cmd), "tail": text[-3000:]}
-    with open(os.path.join(out, "probe_deterministic_sanitizer.json"), "w") as fh:
+    with open(os.path.join(out, "deterministic_sanitizer.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     log(f"sanitizer: {result.get('error_summary') or result.get('reason')} rc={result.get('returncode')} "
         f"probe_ok={result.get('probe_ok')}")
@@ -274,7 +274,7 @@ def write_markdown(out: str, results: dict) -> None:
 
     setup = result("setup", "problem")
     default, fixed = result("default", "backward"), result("fixed_point", "backward")
-    lines = ["# Deterministic backward probe", "", f"setup: `{setup}`", "",
+    lines = ["# Deterministic backward", "", f"setup: `{setup}`", "",
              "| backward | ms | / default | bitwise | notes |", "|---|---|---|---|---|"]
     base = default.get("backward_ms")
 
@@ -291,7 +291,7 @@ def write_markdown(out: str, results: dict) -> None:
                  f"{ms(fixed.get('maxima_ms'))} ms, conversion {ms(fixed.get('convert_ms'))} ms, kernel "
                  f"{ms(fixed.get('kernel_ms'))} ms {fixed.get('error') or ''} |")
     lines += ["", f"errors: `{result('reference_fp32', 'errors')}`", "", results.get("verdict", "")]
-    with open(os.path.join(out, "probe_deterministic.md"), "w") as fh:
+    with open(os.path.join(out, "deterministic.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
 
 
@@ -314,7 +314,7 @@ def main() -> int:
         return sanitizer_probe()
     if args.sanitizer:
         return run_sanitizer(args.out, args.sanitizer_timeout)
-    record = Record(os.path.join(args.out, "probe_deterministic.json"), args.budget_s)
+    record = Record(os.path.join(args.out, "deterministic.json"), args.budget_s)
     probe(record, args.seq_len, args.smoke)
     record.results["verdict"] = verdict(record.results)
     record.save()
