@@ -99,6 +99,7 @@ setup() {
   done
   step pip 600 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$QSA_SITE" "$QSA_WHEELS"/*.whl
+  grep -q '^FAILED pip' "$R/steps.log" && return 1
   printf 'export PYTHONPATH=%s:%s/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}\n' \
     "$QSA_SITE" "$QSA_SITE" > "$QSA_SITE/env.sh"
 }
@@ -113,10 +114,6 @@ check() {
     tests/test_layers.py tests/test_context_parallel.py tests/test_validation.py tests/test_pallas_qsa.py \
     tests/test_flex_qsa.py
   beside stress 470 "$PY" scripts/gpu/stress_bitwise.py --out "$R/stress" --budget-s 420
-  needs jax_triton check_jax_triton && beside check_jax_triton 300 "$PY" scripts/gpu/check_jax_triton.py --out "$R/check_jax_triton" --budget-s 240
-  beside check_flex 300 "$PY" scripts/gpu/check_flex.py --out "$R/check_flex" --budget-s 240
-  needs flash_attn.cute check_fa4 && beside check_fa4 300 "$PY" scripts/gpu/check_fa4.py --out "$R/check_fa4"
-  needs cudnn check_cudnn && beside check_cudnn 200 "$PY" scripts/gpu/check_cudnn.py --out "$R/check_cudnn"
   beside cp_one_rank 200 "$PY" scripts/gpu/check_cp_one_rank.py
   beside sanitize_triton 300 compute-sanitizer --tool memcheck --print-limit 30 \
     "$PY" scripts/gpu/check_triton.py --sanitizer-probe
@@ -124,6 +121,13 @@ check() {
     --sanitizer --sanitizer-timeout 280
   beside sanitize_jax 300 "$PY" scripts/gpu/sanitize_jax.py --out "$R/sanitize_jax" --implementation triton \
     --timeout-s 290
+  wait
+  # the per-backend checks, side by side once the steps above are done
+  needs jax_triton check_jax_triton && beside check_jax_triton 300 "$PY" scripts/gpu/check_jax_triton.py \
+    --out "$R/check_jax_triton" --budget-s 240
+  beside check_flex 300 "$PY" scripts/gpu/check_flex.py --out "$R/check_flex" --budget-s 240
+  needs flash_attn.cute check_fa4 && beside check_fa4 300 "$PY" scripts/gpu/check_fa4.py --out "$R/check_fa4"
+  needs cudnn check_cudnn && beside check_cudnn 200 "$PY" scripts/gpu/check_cudnn.py --out "$R/check_cudnn"
   wait
   if [ "$DRY" = 1 ] || [ "$(gpus)" -ge 2 ]; then
     step check_cp 300 "$PY" scripts/gpu/check_cp.py --out "$R/check_cp"
