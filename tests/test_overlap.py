@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import tracemalloc
 
 import numpy as np
@@ -236,36 +235,6 @@ def test_key_tile_inflation_matches_brute_force():
         key_tile_inflation(np.zeros((4, 2), dtype=np.int64), 4, keys_per_tile=0)
 
 
-def test_add_bytes_table_counts_union_entries_per_program():
-    """scripts/add_bytes.py's bytes added (sum over programs of |U|, relative to the first
-    tiling) and inflation: against sets on random routes, and exactly where rows share all
-    routes (bigger programs add proportionally less) or none (every tiling adds the same)."""
-    import importlib.util
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("add_bytes", os.path.join(root, "scripts", "add_bytes.py"))
-    add_bytes = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(add_bytes)
-    tilings = (Tiling(pairs=4), Tiling(pairs=8), Tiling(rows=3))
-    identical = np.tile(np.arange(3), (8, 1))
-    assert add_bytes.table(identical, 3, 2, tilings) == {"flat4": (1.0, 1.0), "flat8": (1.0, 0.5),
-                                                         "tile3": (pytest.approx(9 / 8), pytest.approx(3 / 4))}
-    disjoint = np.arange(8)[:, None]
-    assert add_bytes.table(disjoint, 8, 2, tilings) == {"flat4": (2.0, 1.0), "flat8": (4.0, 1.0),
-                                                        "tile3": (3.0, 1.0)}
-    rng = np.random.default_rng()
-    routes = _hostile_routes(rng, 2, int(rng.integers(20, 200)), 40)
-    got = add_bytes.table(routes, 40, 3, tilings)
-    sizes = {}
-    for t in tilings:
-        first, last, _ = t.programs(routes.shape[1], 3)
-        sizes[t.label] = sum(len(set().union(*_sets(routes[b], 40)[f:l + 1])) for b in range(2)
-                             for f, l in zip(first, last))
-    for t in tilings:
-        assert got[t.label][0] == pytest.approx(union_inflation(routes, 40, group=3, tiling=t), rel=1e-12)
-        assert got[t.label][1] == pytest.approx(sizes[t.label] / sizes["flat4"], rel=1e-12)
-
-
 def test_statistics_on_structured_cases():
     identical = np.tile(np.arange(10), (64, 1))
     assert union_inflation(identical, 10, group=12) == 1.0
@@ -297,22 +266,3 @@ def test_statistics_reject_bad_input():
         union_inflation(np.zeros((4, 2), dtype=np.int64), 0, group=1)
     with pytest.raises(ValueError):
         mean_adjacent_jaccard(np.zeros((4, 2), dtype=np.int64), 4, first_row=3)
-
-
-def test_key_tile_inflation_script(capsys):
-    """scripts/key_tile_inflation.py prints one table row per overlap, the K/V tiles'
-    inflation growing with the tile and the row-owning column the bench's statistic."""
-    import importlib.util
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("key_tile_inflation",
-                                                  os.path.join(root, "scripts", "key_tile_inflation.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    assert script.main(["--seq-len", "4096", "--overlaps", "0.8"]) == 0
-    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 0.8 |")]
-    cells = [float(c) for c in row.split("|")[2:8]]
-    problem = make_problem("padded", "qsa", seed=4096, seq_len=4096, top_k=512, batch=1, overlap=0.8)
-    assert cells[1:5] == sorted(cells[1:5]) and cells[1] > 1.0
-    assert cells[5] == pytest.approx(union_inflation(problem.routes, 4096, group=12), abs=0.006)

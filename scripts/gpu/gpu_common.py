@@ -1,18 +1,15 @@
 """What the GPU check scripts share: the contract's relative error, timers, a JSON record.
 
 Scripts in this folder import it as ``gpu_common`` (Python puts a script's own folder on
-``sys.path``). It imports torch and jax only inside the functions that need them.
+``sys.path``). It imports torch only inside the functions that need it.
 
 * :func:`relative_error`: ``||actual - expected|| / ||expected||``, the rule of
   :func:`qsa_common.oracle.relative_error` (inf where ``actual`` is not finite; the
   absolute norm where ``expected`` is zero), for numpy and JAX arrays (through that
   function) and torch tensors (in float64 on their own device, large GPU tensors never
   cross to the host).
-* :func:`cuda_ms` (torch, CUDA events) and :func:`jax_ms` (wall clock around
-  ``block_until_ready``): medians in milliseconds after warm-up calls.
-* :func:`run_step`: one step of a probe script in its own process, with a time limit (a
-  kernel that hangs on an mbarrier costs one step), optionally the same script of another
-  checkout on that checkout's modules (two versions of a kernel timed side by side).
+* :func:`max_abs_diff`: ``max |a - b|`` (equal values count 0, NaN inf), for bitwise checks.
+* :func:`cuda_ms` (torch, CUDA events): the median in milliseconds after warm-up calls.
 * :class:`Record`: results by section and name, each entry the value or the error with
   its traceback and the seconds it took, written to JSON after every entry so that a run
   stopped by its time limit keeps what it measured; entries past a deadline are skipped.
@@ -20,15 +17,12 @@ Scripts in this folder import it as ``gpu_common`` (Python puts a script's own f
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 if ROOT not in sys.path:
@@ -38,8 +32,7 @@ import numpy as np  # noqa: E402
 
 from qsa_common.oracle import relative_error as _numpy_relative_error  # noqa: E402
 
-__all__ = ["ROOT", "ProbeShape", "Record", "cuda_ms", "jax_ms", "log", "max_abs_diff", "probe_shape",
-           "relative_error", "run_step", "step_result", "timing_steps", "wall_ms"]
+__all__ = ["ROOT", "Record", "cuda_ms", "log", "max_abs_diff", "relative_error"]
 
 
 def log(*args) -> None:
@@ -98,116 +91,6 @@ def cuda_ms(fn, reps: int = 10, warmup: int = 2) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def wall_ms(fn) -> float:
-    """Milliseconds of one call of ``fn()`` by the wall clock (the probes' CPU dry runs)."""
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbeShape:
-    """What the torch Triton probes run on; ``timer``: :func:`cuda_ms`, or :func:`wall_ms`
-    in a dry run."""
-
-    heads: tuple[int, int]
-    head_dim: int
-    top_k: int
-    device: str
-    timer: Callable
-    seq_len: int
-    overlaps: list[float]
-
-    def inputs(self):
-        """Seeded bf16 ``q, k, v, do`` (B=1)."""
-        import torch
-
-        hq, hkv = self.heads
-        gen = torch.Generator(device=self.device).manual_seed(0)
-        shape_q, shape_kv = (1, self.seq_len, hq, self.head_dim), (1, self.seq_len, hkv, self.head_dim)
-        q, do = (torch.randn(shape_q, generator=gen, device=self.device, dtype=torch.bfloat16) for _ in range(2))
-        k, v = (torch.randn(shape_kv, generator=gen, device=self.device, dtype=torch.bfloat16) for _ in range(2))
-        return q, k, v, do
-
-    def routes(self, overlap: float):
-        """The benchmark's QSA-format routes (``python -m parity.bench``, seed 0) at ``overlap``:
-        int ``[1, seq_len, width]`` on the shape's device."""
-        import torch
-
-        from parity.bench_routes import _make_routes, overlap_label
-
-        return torch.from_numpy(_make_routes(self.seq_len, overlap_label(overlap), self.top_k, 0)).to(self.device)
-
-
-def probe_shape(dry_run: bool, seq_len: int, overlaps, dry_seq_len: int = 768) -> ProbeShape:
-    """The H200 shape ((24,2), D=256, top_k 512, CUDA events), or with ``dry_run`` a tiny one
-    in Triton's interpreter ((6,1), D=32, top_k 4, ``dry_seq_len`` rows, the first overlap,
-    one wall-clock call); a dry run sets ``TRITON_INTERPRET`` (call it before importing
-    the kernels)."""
-    if not dry_run:
-        return ProbeShape((24, 2), 256, 512, "cuda", cuda_ms, seq_len, list(overlaps))
-    os.environ["TRITON_INTERPRET"] = "1"
-    return ProbeShape((6, 1), 32, 4, "cpu", wall_ms, dry_seq_len, list(overlaps)[:1])
-
-
-def jax_ms(fn, *args, reps: int = 10, warmup: int = 2) -> float:
-    """Median wall milliseconds of ``jax.block_until_ready(fn(*args))`` after ``warmup``
-    calls (the first compiles); long calls get at most 3 repetitions."""
-    import jax
-
-    for _ in range(warmup):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-    if time.perf_counter() - start > 0.2:
-        reps = min(reps, 3)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times) * 1e3)
-
-
-def run_step(script: str, args, timeout_s: float, tree: str | None = None) -> dict:
-    """``python script *args`` in a subprocess; the JSON on its ``RESULT `` line, or
-    ``{"error": ...}`` (time limit, exit status and stderr's tail). With ``tree`` (another
-    checkout), the script of the same name under ``tree/scripts/gpu`` runs with ``tree``
-    first on ``PYTHONPATH`` and as its working directory."""
-    env = cwd = None
-    if tree is not None:
-        cwd = os.path.abspath(tree)
-        script = os.path.join(cwd, "scripts", "gpu", os.path.basename(script))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([cwd, os.environ.get("PYTHONPATH", "")]))
-    try:
-        done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout_s,
-                              env=env, cwd=cwd)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s} s (a hang?)"}
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return {"error": f"rc={done.returncode}", "stderr": done.stderr[-2000:]}
-
-
-def timing_steps(record, script: str, name: str, seq_lens, overlaps, timeout_s: float,
-                 against: str | None = None) -> None:
-    """Per S and overlap, ``script --step time --seq S --overlap J`` in a process of its own
-    (:func:`run_step`) into ``record`` (section ``S=../J=..``, entry ``name``), and with
-    ``against`` the same step of that checkout's script right after (``name/against``)."""
-    for seq in seq_lens:
-        for overlap in overlaps:
-            key, step = f"S={seq}/J={overlap}", ("--step", "time", "--seq", str(seq), "--overlap", str(overlap))
-            record.run(key, name, lambda: run_step(script, step, timeout_s))
-            if against:
-                record.run(key, f"{name}/against", lambda: run_step(script, step, timeout_s, against))
-
-
-def step_result(value) -> int:
-    """A timing step's result, printed for :func:`run_step` (returns the exit status 0)."""
-    print("RESULT " + json.dumps(value), flush=True)
-    return 0
 
 
 class Record:

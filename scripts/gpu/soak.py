@@ -174,7 +174,8 @@ def run_step(i, args, rng, state) -> dict:
             del jq, jk, jv, jdo, jdm, jr, out, dq
         except Exception as err:  # noqa: BLE001
             entry["exceptions"].append(("jax", f"{type(err).__name__}: {err}"[:1000], traceback.format_exc()))
-    del q, k, v, do, do_masked, routes, reference
+    reference.clear()  # frees the reference tensors (the check closure reads the dict)
+    del q, k, v, do, do_masked, routes
     if device == "cuda":
         torch.cuda.synchronize()
         entry["torch end bytes"] = torch.cuda.memory_allocated()

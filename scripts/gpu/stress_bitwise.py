@@ -9,7 +9,7 @@ the forward's results (output, LSE, route unions), the default backward's dQ, an
 deterministic backward's dQ/dK/dV; and where ``--jax`` is given, ``qsa_jax``'s triton
 implementation (jax-triton) gives torch's bits for the output and the deterministic
 gradients. A warp-specialized kernel whose buffers or barriers race shows as a rare run
-whose bits differ, more often when other processes load the GPU; so ``session.sh`` runs
+whose bits differ, more often when other processes load the GPU; so ``run.sh check`` runs
 this beside other GPU work, and it repeats each case until the budget is spent.
 
 Cases, taken in turn: B=1 packed and B=2 padded, (24,2) and (12,1), D=256, bf16, QSA routes
