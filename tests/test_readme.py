@@ -60,7 +60,7 @@ def test_readme_has_python_blocks():
     assert len(blocks()) >= 4, "README.md should hold the PyTorch, JAX, Flax and NeMo quick starts"
 
 
-@pytest.mark.parametrize("line, requires, code", blocks(), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
+@pytest.mark.parametrize("line, requires, code", [pytest.param(*b, id=f"line{b[0]}") for b in blocks()])
 def test_readme_block_runs(line, requires, code, tmp_path):
     for requirement in requires:
         if requirement not in REQUIREMENTS and requirement != "gpu":
@@ -73,3 +73,10 @@ def test_readme_block_runs(line, requires, code, tmp_path):
                           timeout=600)
     assert proc.returncode == 0, (f"README.md block at line {line} exited {proc.returncode}\n"
                                   f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+
+
+def test_missing_requirement_gives_a_reason(monkeypatch):
+    monkeypatch.setitem(REQUIREMENTS, "absent", ("a_module_that_is_not_installed",))
+    assert "a_module_that_is_not_installed" in missing("absent")
+    assert missing("torch") is None or "torch" in missing("torch")
+    assert "unknown requirement" in missing("no-such-requirement")
