@@ -42,6 +42,8 @@ import time
 
 import numpy as np
 
+from qsa_common.quiet_import import quiet, quiet_import
+
 from .suite import TOLERANCE
 
 __all__ = ["LayerCase", "SMALL_CONFIG", "default_cases", "run_case", "run_layers", "summary_lines",
@@ -52,6 +54,7 @@ SMALL_CONFIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=
 REAL_CONFIG: dict = {}  # the upstream defaults: hidden 2560, 24/2 heads, D 256, indexer 4 x 128, budget 2048
 TRAINABLE = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight",
              "k_norm.weight")
+_UPSTREAM_LAYERS = "nemo_automodel.components.models.qwen3_8_flash_next.layers"
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
         "mrope_section": [11, 11, 10]}
 
@@ -147,15 +150,18 @@ def upstream_layer(case: LayerCase, seed: int, device: str = "cpu"):
     """``(layer, rotary)``: the upstream layer with random weights (linears ~N(0, 0.02),
     every RMSNorm weight ~U(-0.5, 0.5) so ``1 + w`` matters) and its rotary embedding."""
     import torch
+
+    quiet_import(_UPSTREAM_LAYERS)  # its import-time warnings are third-party noise
     from nemo_automodel.components.models.qwen3_5_moe.model import Fp32SafeQwen3_5MoeTextRotaryEmbedding
     from nemo_automodel.components.models.qwen3_8_flash_next.backend import Qwen3_8_FlashNextBackendConfig
     from nemo_automodel.components.models.qwen3_8_flash_next.config import Qwen3_8_FlashNextTextConfig
     from nemo_automodel.components.models.qwen3_8_flash_next.layers import Qwen3_8_FlashNextQSAAttention
 
-    config = Qwen3_8_FlashNextTextConfig(num_hidden_layers=4, rope_parameters=dict(ROPE), dtype=case.dtype,
-                                         **_config_kwargs(case))
-    backend = Qwen3_8_FlashNextBackendConfig(attn="flex", linear="torch")
-    layer = Qwen3_8_FlashNextQSAAttention(config, 3, backend)
+    with quiet():  # transformers' config deprecation notices are upstream's own
+        config = Qwen3_8_FlashNextTextConfig(num_hidden_layers=4, rope_parameters=dict(ROPE), dtype=case.dtype,
+                                             **_config_kwargs(case))
+        backend = Qwen3_8_FlashNextBackendConfig(attn="flex", linear="torch")
+        layer = Qwen3_8_FlashNextQSAAttention(config, 3, backend)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in layer.named_parameters():
@@ -184,6 +190,8 @@ def captured_scores():
     (``queries`` ``[B, S_query, H, D]`` and ``keys`` ``[B, P, D]``, float32 numpy holding
     the model-dtype values)."""
     import torch
+
+    quiet_import(_UPSTREAM_LAYERS)
     from nemo_automodel.components.models.qwen3_8_flash_next import qsa
 
     calls: list[dict] = []
@@ -801,7 +809,7 @@ def _cp_subprocess(cases: list[LayerCase], seeds: list[int], implementation) -> 
 def upstream_missing() -> str | None:
     """Why the upstream layer cannot run here (None when it can)."""
     try:
-        import nemo_automodel.components.models.qwen3_8_flash_next.layers  # noqa: F401
+        quiet_import(_UPSTREAM_LAYERS)
     except Exception as err:  # noqa: BLE001 - any import failure makes the section unavailable
         return f"nemo-automodel's Qwen3.8-Flash-Next layer is not importable ({type(err).__name__}: {err}); " \
                "install the 'upstream' extra"

@@ -13,6 +13,8 @@ built from the functional pieces in :mod:`qsa_jax.layers` and the selection
 in :mod:`qsa_jax.indexer`.
 """
 
+import qsa_common._need_jax  # noqa: F401  (first: an ImportError naming the extra to install)
+
 from .attention import sparse_gqa_attention
 from .context_parallel import context_parallel_sparse_gqa_attention
 from .indexer import qsa_indexer_routes

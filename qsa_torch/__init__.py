@@ -6,6 +6,8 @@ Frontend) on first use only, so importing this package needs nothing but
 torch and numpy.
 """
 
+import qsa_common._need_torch  # noqa: F401  (first: an ImportError naming the extra to install)
+
 from .api import sparse_gqa_attention
 from .context_parallel import context_parallel_sparse_gqa_attention
 from .cudnn_qsa import cudnn_sparse_gqa_attention

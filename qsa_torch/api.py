@@ -476,9 +476,9 @@ def sparse_gqa_attention(
         ValueError: unknown ``backend`` / ``route_format``, or the contract's shape,
             device and scale checks.
         TypeError: the contract's dtype checks.
-        Anything the explicitly named backend raises (RuntimeError for an
-        unsupported GPU, ImportError for a missing runtime, ...); under
-        ``torch.compile``, also what the backend ``"auto"`` chose raises.
+        RuntimeError: anything the explicitly named backend raises (RuntimeError for an
+            unsupported GPU, ImportError for a missing runtime, ...); under
+            ``torch.compile``, also what the backend ``"auto"`` chose raises.
     """
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")

@@ -287,7 +287,7 @@ def cudnn_sparse_gqa_attention(
 
     Warns:
         UnverifiedBackendWarning: once per process; no recorded run has checked this
-        backend's numerics on any GPU.
+            backend's numerics on any GPU.
     """
     checked = validate_inputs(
         query, key, value, selected_token_ids, softmax_scale, dtypes=(torch.bfloat16,)

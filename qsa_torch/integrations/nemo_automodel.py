@@ -76,6 +76,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qsa_common.quiet_import import quiet_import
+
 from ..api import BACKENDS, sparse_gqa_attention
 
 __all__ = [
@@ -147,11 +149,11 @@ def _upstream() -> _Upstream:
             with upstream 0.7.0's signature.
     """
     try:
-        layers = importlib.import_module(_LAYERS_MODULE)
+        layers = quiet_import(_LAYERS_MODULE)  # upstream's import-time warnings are its own
     except ImportError as err:
         raise ImportError(
             "use_qsa_torch needs nemo-automodel with its Qwen3.8-Flash-Next model "
-            f"(pip install 'qsa[upstream]', i.e. nemo-automodel=={CHECKED_VERSIONS[-1]}); "
+            f"(pip install 'qsa-kernels[upstream]', i.e. nemo-automodel=={CHECKED_VERSIONS[-1]}); "
             f"importing {_LAYERS_MODULE} failed: {err}"
         ) from err
     version = _installed_version()
