@@ -28,6 +28,8 @@ def encode_block_sizes(blocks: BlockSizes | None) -> list[int] | None:
     field takes 0 otherwise), booleans as 0 / 1."""
     if blocks is None:
         return None
+    if not isinstance(blocks, BlockSizes):
+        raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(blocks).__name__}")
     return [int(getattr(blocks, name) or 0) for name in _FIELDS]
 
 

@@ -153,6 +153,7 @@ def triton_sparse_gqa_attention(
     """
     checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
     _check_deterministic(deterministic)
+    _raise_declined(query, key, value, selected_token_ids)
     return checked_attention(query, key, value, selected_token_ids, checked.scale, deterministic=deterministic,
                              block_sizes=block_sizes)
 

@@ -24,6 +24,8 @@ from fractions import Fraction
 
 import numpy as np
 
+from qsa_common.errors import UnsupportedShape
+
 from .plan import (INT32_MAX, MAX_GRID_X, CutStep, Plan, SortStep, fold_grid, min_backward_block_k,
                    offsets_fit_int32, rank_words)
 
@@ -136,7 +138,7 @@ def _kernel_shape(plan: Plan, q: Operand, k: Operand, union_shape, backward: boo
     (bsz, s_q, _, d), (_, _, hkv, _) = q[0], k[0]
     _, n_tiles, width = union_shape
     if not plan.pairs_fit(s_q):
-        raise ValueError("the flat tiling indexes (row, head) pairs in int32: "
+        raise UnsupportedShape("the flat tiling indexes (row, head) pairs in int32: "
                          f"S_q * G = {s_q * plan.group} is too many; use flatten_heads=False")
     attempt = attempt or attempts(plan, backward)[0]
     chunks = 1 if plan.flat else -(-plan.group // attempt.heads)
@@ -404,7 +406,7 @@ def rank_launch(step: SortStep, routes: Operand, kv_length: int, first_group: in
     (bsz, s_q, k), strides = routes
     words = rank_words(kv_length)
     if n_window > MAX_GRID_X:
-        raise ValueError(f"{n_window} union groups do not fit a CUDA launch grid")
+        raise UnsupportedShape(f"{n_window} union groups do not fit a CUDA launch grid")
     shape = (n_window, step.width)
     outputs = (Output("UNION", shape, "int32"), Output("ROWBITS", shape, "int32"),
                Output("COUNT", (n_window,), "int32"), Output("PRESENT", (n_window, words), "int32"),
