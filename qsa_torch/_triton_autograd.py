@@ -13,6 +13,7 @@ no dataclass) travel with the op's arguments. The inputs arrive checked
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -20,6 +21,7 @@ from qsa_triton.config import BlockSizes
 
 __all__ = ["attention", "decode_block_sizes", "encode_block_sizes"]
 
+logger = logging.getLogger("qsa_torch")
 _FIELDS = tuple(f.name for f in dataclasses.fields(BlockSizes))
 
 
@@ -55,8 +57,10 @@ def _forward_op(
     """``(out, lse, union, count, rowbits)``; ``deterministic`` is the backward's."""
     from . import triton_qsa
 
-    return triton_qsa.forward_with_residuals(query, key, value, selected_token_ids, softmax_scale,
-                                             block_sizes=decode_block_sizes(block_sizes))
+    result = triton_qsa.forward_with_residuals(query, key, value, selected_token_ids, softmax_scale,
+                                               block_sizes=decode_block_sizes(block_sizes))
+    logger.debug("sparse_gqa_attention: ran backend %r", "triton")
+    return result
 
 
 @_forward_op.register_fake
