@@ -27,9 +27,9 @@ import triton.language as tl  # noqa: E402
 
 from contract_base import TOLERANCE, BackendContract, UnroutedRowsIsolated, random_inputs  # noqa: E402
 from runners import run_torch  # noqa: E402
-from qsa_common.generators import adversarial_routes, qsa_format_routes, random_routes  # noqa: E402
+from qsa_common.generators import adversarial_routes, random_routes  # noqa: E402
 from qsa_common.layouts import make_problem  # noqa: E402
-from qsa_common.oracle import membership, oracle_forward_backward, relative_error  # noqa: E402
+from qsa_common.oracle import oracle_forward_backward, relative_error  # noqa: E402
 from qsa_torch import _triton_launch, triton_qsa  # noqa: E402
 from qsa_triton import driver  # noqa: E402
 from qsa_triton import launch as spec  # noqa: E402
