@@ -822,3 +822,64 @@ def test_installed_jax_triton_has_the_patched_signature():
     assert installed in specifiers.SpecifierSet(patch.SUPPORTED_VERSIONS), installed
     function = getattr(triton_lib.get_or_create_triton_kernel, "__wrapped__", triton_lib.get_or_create_triton_kernel)
     assert tuple(inspect.signature(function).parameters) == patch.EXPECTED_PARAMETERS
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_both_adapters_make_the_same_launches(monkeypatch, hopper, deterministic):
+    """``qsa_triton.driver`` through the torch and the JAX adapter, forward and backward,
+    for one problem: the same launches (kernels, grids, warps, stages, fp32 scalars,
+    integer and constexpr arguments, outputs) in the same order, with the portable kernels
+    and, as on an sm_90 GPU, the Hopper ones (the precondition of bitwise-equal results
+    across frameworks; recorded by stand-in launchers, nothing runs)."""
+    from qsa_torch import _triton_launch
+    from qsa_triton.config import DEFAULT_BLOCK_SIZES
+
+    torch_launches, jax_launches = [], []
+
+    def torch_run(launch, arrays, device):
+        torch_launches.append(launch)
+        return {o.name: torch.zeros(o.shape, dtype=_TORCH[o.dtype]) for o in launch.outputs}
+
+    @dataclass(frozen=True)
+    class Recorder:
+        interpreted: bool = False
+
+        def __call__(self, launch, arrays):
+            jax_launches.append(launch)
+            return {o.name: jnp.zeros(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs}
+
+    monkeypatch.setattr(_triton_launch, "run", torch_run)
+    monkeypatch.setattr(_triton_launch, "interpreted", lambda: False)
+    monkeypatch.setattr(_triton_launch, "hopper_forward", lambda device: hopper)
+    monkeypatch.setattr(_triton_launch, "hopper_backward", lambda device: hopper)
+    rng = _fresh_rng()
+    (hq, hkv), seq, width = (24, 2), 256, 20
+    routes = rng.integers(-1, seq, size=(1, seq, width))
+    plan = make_plan(hq // hkv, 256, DEFAULT_BLOCK_SIZES)
+    shapes = {"q": (1, seq, hq, 256), "k": (1, seq, hkv, 256), "v": (1, seq, hkv, 256)}
+    shapes["o"] = shapes["do"] = shapes["q"]
+    lse_shape = (1, hq, seq)
+
+    def run(ad, zeros, routes_):
+        x = {name: zeros(shape) for name, shape in shapes.items()}
+        unions = driver.build_unions(ad, routes_, seq, plan, padded=False)
+        driver.forward(ad, x["q"], x["k"], x["v"], unions, 0.0625, plan)
+        unions = driver.backward_unions(ad, unions, plan, width, seq)
+        driver.backward(ad, x["q"], x["k"], x["v"], x["o"], zeros(lse_shape, "float32"), x["do"], unions, 0.0625,
+                        plan, deterministic=deterministic)
+
+    run(_triton_launch.adapter("cpu"), lambda s, d="bfloat16": torch.zeros(s, dtype=_TORCH[d]),
+        torch.from_numpy(routes.astype(np.int32)))
+    run(driver_jax_adapter(Recorder(), hopper), lambda s, d="bfloat16": jnp.zeros(s, jnp.dtype(d)),
+        jnp.asarray(routes.astype(np.int32)))
+    kernels = [launch.kernel for launch in jax_launches]
+    assert ("forward_sm90" in kernels) == hopper and ("backward_sm90" in kernels) == hopper, kernels
+    assert ("fixed_point" in kernels) == deterministic, kernels
+    assert torch_launches == jax_launches
+
+
+def driver_jax_adapter(launcher, hopper):
+    from qsa_jax._triton_call import JaxAdapter
+
+    return JaxAdapter(launcher, hopper, jax.config.jax_enable_x64)
