@@ -883,3 +883,34 @@ def driver_jax_adapter(launcher, hopper):
     from qsa_jax._triton_call import JaxAdapter
 
     return JaxAdapter(launcher, hopper, jax.config.jax_enable_x64)
+
+
+def test_both_frameworks_decline_alike(monkeypatch):
+    """``supports`` of the torch and the JAX Triton backend: the same class and message for
+    the same inputs (limits written once, in ``qsa_triton.limits``): D > 256, float64,
+    inputs off a GPU with compiled kernels, a missing runtime (named with its pip extra)."""
+    import importlib.util
+
+    from qsa_common.errors import MissingRuntime, UnsupportedDevice
+    from qsa_torch import triton_qsa as tt
+
+    def both(head_dim, dtype):
+        with jax.enable_x64(True):
+            x = _on_cpu(jnp.zeros((1, 4, 2, head_dim), dtype))
+            got_jax = jt.supports(x, x, x, None)
+        t = torch.zeros((1, 4, 2, head_dim), dtype=getattr(torch, dtype))
+        return tt.supports(t, t, t, None), got_jax
+
+    for head_dim, dtype, cls in ((264, "float32", UnsupportedShape), (16, "float64", UnsupportedDtype)):
+        got_torch, got_jax = both(head_dim, dtype)
+        assert type(got_torch) is type(got_jax) is cls and str(got_torch) == str(got_jax), (got_torch, got_jax)
+    monkeypatch.setattr(spec, "interprets", lambda: False)  # compiled kernels, every runtime present
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object())
+    got_torch, got_jax = both(16, "bfloat16")
+    assert type(got_torch) is type(got_jax) is UnsupportedDevice and str(got_torch) == str(got_jax)
+    assert "CUDA" in str(got_torch) and "cpu" in str(got_torch)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)  # no runtime
+    got_torch, got_jax = both(16, "bfloat16")
+    assert isinstance(got_torch, MissingRuntime) and isinstance(got_jax, MissingRuntime)
+    assert "'triton' package" in str(got_torch) and "'jax_triton' package" in str(got_jax)
+    assert all("pip install" in str(e) and "qsa[" in str(e) for e in (got_torch, got_jax))
