@@ -909,3 +909,44 @@ def test_default_block_sizes_by_capability(capability, tuned):
     enough = DEFAULT_BLOCK_SIZES if capability >= (9, 0) else SAFE_BLOCK_SIZES
     assert default_block_sizes(capability, 256, "bfloat16", TUNED_SHARED_MEMORY) == enough
     assert default_block_sizes(capability, 256, "bfloat16", TUNED_SHARED_MEMORY - 1) == SAFE_BLOCK_SIZES
+
+
+def test_driver_retries_narrower_configurations_that_fit():
+    """``qsa_triton.driver.launch_fitting``: a configuration Triton cannot load for lack of
+    shared memory (OutOfResources) gives way to the next of ``launch.attempts`` (one stage
+    first); the attempt that fit is remembered per adapter, so the failing one is not tried
+    again; other errors, and the last attempt's, propagate."""
+    class OutOfResources(Exception):  # what triton.runtime.errors names it
+        pass
+
+    tried = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Fake:
+        most_stages: int
+        fail_with: type = OutOfResources
+        interpreted = False
+
+        def launch(self, launch, arrays):
+            tried.append((launch.num_stages, dict(launch.params)["BLOCK_K"]))
+            if launch.num_stages > self.most_stages:
+                raise self.fail_with("out of shared memory")
+            return {"O": launch.kernel}
+
+    plan = make_plan(3, 64, dataclasses.replace(SMALL, num_stages=3, block_k=64))
+    q, kv = ((1, 40, 6, 64), (15360, 384, 64, 1)), ((1, 40, 2, 64), (5120, 128, 64, 1))
+
+    def build(attempt):
+        return spec.forward_launch(plan, q, kv, kv, (1, 10, 40), 0.125, "bfloat16", interpreted=False, attempt=attempt)
+
+    assert driver.launch_fitting(Fake(1), build, plan, False, {}) == {"O": "forward"}
+    assert tried == [(3, 64), (1, 64)]
+    tried.clear()
+    driver.launch_fitting(Fake(1), build, plan, False, {})
+    assert tried == [(1, 64)]  # remembered
+    tried.clear()
+    with pytest.raises(OutOfResources):
+        driver.launch_fitting(Fake(0), build, plan, False, {})
+    assert tried[0] == (3, 64) and len(tried) == len(spec.attempts(plan, False))
+    with pytest.raises(ValueError):
+        driver.launch_fitting(Fake(1, ValueError), build, plan, False, {})
