@@ -22,7 +22,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from qsa_common.errors import UnsupportedShape
+from qsa_common.errors import InvalidInput, UnsupportedShape
 
 from .plan import (INT32_MAX, MAX_GRID_X, CutStep, Plan, SortStep, fold_grid, min_backward_block_k,
                    offsets_fit_int32, rank_words)
@@ -334,7 +334,7 @@ def fixed_point_bounds(scale: float, n_pairs: int, head_dim: int) -> tuple[int, 
     with np.errstate(over="ignore"):  # a scale past fp32's range is refused below
         scale32 = fp32(scale)
     if n_pairs < 1 or head_dim < 1 or not 0 < scale32 < float("inf"):
-        raise ValueError("the deterministic backward needs positive sizes and a scale that is positive and "
+        raise InvalidInput("the deterministic backward needs positive sizes and a scale that is positive and "
                          f"finite in fp32, got N = {n_pairs}, D = {head_dim}, scale = {scale!r}")
     return _ceil_log2(Fraction(scale32) * 2 * n_pairs * head_dim), _ceil_log2(Fraction(n_pairs))
 

@@ -201,7 +201,7 @@ class KeyPlan:
             raise UnsupportedShape(f"tile unions over S_kv = {kv_length} with {t}-row tiles need "
                                       "sort keys wider than int32")
         if key_bits + max(1, (per_sort - 1).bit_length()) > 62:  # pragma: no cover - > 2**62 keys
-            raise ValueError(f"tile unions over kv_length {kv_length} need sort keys wider than 62 bits")
+            raise UnsupportedShape(f"tile unions over kv_length {kv_length} need sort keys wider than 62 bits")
         return KeyPlan(t.bit_length() - 1, sentinel, key_bits, per_sort, dtype)
 
 
