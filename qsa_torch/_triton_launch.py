@@ -1,29 +1,31 @@
-"""Launching the ``qsa_triton`` kernels through torch: one call site for every kernel.
+"""The torch adapter of the Triton driver (``qsa_triton.driver``): launching with tensors.
 
-A :class:`qsa_triton.launch.Launch` says what to pass; :func:`run` allocates its outputs
-(zeroed ones with zeros, the others uninitialised: the kernels write every element, and
-tests poison them through :func:`new_buffer`) and launches the kernel with every
-argument by keyword, on the tensors' CUDA device. :func:`forward` and :func:`backward`
-add the retry on a configuration that needs more shared memory than the device has.
+:func:`run` allocates a :class:`qsa_triton.launch.Launch`'s outputs (zeroed ones with
+zeros, the others uninitialised: the kernels write every element, and tests poison them
+through :func:`new_buffer`) and launches its kernel with every argument by keyword, on
+the tensors' CUDA device. :class:`TorchAdapter` adds the few tensor operations the driver
+asks for; everything else (union recipe, kernel choice, retry, fixed-point steps) is the
+driver's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from qsa_triton import launch as spec
-from qsa_triton.plan import Plan
+from qsa_triton.limits import INSTALL
 
 from .routes import dense_aligned
 
+__all__ = ["TorchAdapter", "adapter", "dtype_name", "hopper_backward", "hopper_forward", "input_maxima",
+           "interpreted", "new_buffer", "run"]
+
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                  "int32": torch.int32, "int64": torch.int64}
-
-# (kernel, plan, dtype, head dim, 32-bit offsets, deterministic, device) -> the attempt that fit the device
-_LAUNCH_FALLBACKS: dict[tuple, spec.Attempt] = {}
 
 
 @functools.cache
@@ -31,12 +33,14 @@ def interpreted() -> bool:
     """Import triton and the kernels once; whether Triton's interpreter runs them.
 
     Raises:
-        ImportError: triton is not installed.
+        MissingRuntime: triton is not installed.
     """
     try:
         import triton  # noqa: F401 - a clear error before the kernels' own import
     except ImportError as exc:  # pragma: no cover - exercised where triton is absent
-        raise ImportError("the Triton QSA backend needs the 'triton' package (pip install triton)") from exc
+        from qsa_common.errors import MissingRuntime
+
+        raise MissingRuntime(f"the Triton backend needs the 'triton' package: {INSTALL['triton']}") from exc
     return spec.interpreted()
 
 
@@ -67,42 +71,9 @@ def run(launch: spec.Launch, arrays: dict[str, torch.Tensor], device: torch.devi
     return outputs
 
 
-def _run_fitting(build, plan: Plan, backward: bool, arrays, device: torch.device):
-    """Run the launch ``build(attempt)`` describes, the plan's own attempt first; where a
-    configuration needs more shared memory than the device has (Triton raises
-    OutOfResources when loading it), the next of :func:`qsa_triton.launch.attempts`. The
-    working attempt is remembered, so a failing compile is not repeated."""
-    options = spec.attempts(plan, backward)
-    first = build(options[0])
-    params = dict(first.params)
-    key = (first.kernel, plan, first.outputs[0].dtype, params["D"], params["OFFS32"], params.get("DETERMINISTIC"),
-           str(device))
-    if key in _LAUNCH_FALLBACKS:
-        options = [_LAUNCH_FALLBACKS[key]]
-    for i, attempt in enumerate(options):
-        try:
-            result = run(build(attempt), arrays, device)
-        except Exception as exc:  # triton.runtime.errors.OutOfResources (triton is imported lazily)
-            if type(exc).__name__ != "OutOfResources" or i == len(options) - 1:
-                raise
-            continue
-        _LAUNCH_FALLBACKS[key] = attempt
-        return result
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _operand(t: torch.Tensor) -> spec.Operand:
-    return tuple(t.shape), tuple(t.stride())
-
-
 def _shared_per_block(device: torch.device) -> int:
     """The shared memory a block on ``device`` may opt in to (0 where torch does not say)."""
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
-
-
-def _aligned(*tensors: torch.Tensor) -> bool:
-    """Whether every base address is 16-byte aligned (the Hopper kernels' copies)."""
-    return all(x.data_ptr() % 16 == 0 for x in tensors)
 
 
 @functools.cache
@@ -124,28 +95,6 @@ def hopper_forward(device: torch.device) -> bool:
 def hopper_backward(device: torch.device) -> bool:
     """:func:`hopper_forward`, and room for the Hopper backward's shared memory."""
     return hopper_forward(device) and _shared_per_block(device) >= spec.SM90_BACKWARD_SHARED
-
-
-def forward(q, k, v, unions, scale: float, plan: Plan):
-    """Forward kernel over the forward's unions (``TileUnions``): out ``[B,S_q,Hq,D]``
-    (q's dtype) and the natural-log LSE ``[B,Hq,S_q]`` fp32. On Hopper, operands in its
-    scope take the warp-specialized kernel (``qsa_triton.launch.forward_sm90_launch``)."""
-    interpret = interpreted()
-    dtype = dtype_name(q.dtype)
-    arrays = dict(Q=q, K=k, V=v, UNION=unions.union, COUNT=unions.count, ROWBITS=unions.rowbits)
-    if not interpret and hopper_forward(q.device):
-        launch = spec.forward_sm90_launch(plan, _operand(q), _operand(k), _operand(v), tuple(unions.union.shape),
-                                          scale, dtype)
-        if launch is not None and _aligned(q, k, v):
-            outputs = run(launch, arrays, q.device)
-            return outputs["O"], outputs["LSE"]
-
-    def build(attempt):
-        return spec.forward_launch(plan, _operand(q), _operand(k), _operand(v), tuple(unions.union.shape), scale,
-                                   dtype, interpreted=interpret, attempt=attempt)
-
-    outputs = _run_fitting(build, plan, False, arrays, q.device)
-    return outputs["O"], outputs["LSE"]
 
 
 def input_maxima(query: torch.Tensor, grad_out: torch.Tensor, value: torch.Tensor,
@@ -170,42 +119,60 @@ def input_maxima(query: torch.Tensor, grad_out: torch.Tensor, value: torch.Tenso
     return torch.stack([largest_routed(query), largest_routed(grad_out), finite_rows.amax().float()])
 
 
-def backward(q, k, v, out, lse, grad_out, unions, scale: float, plan: Plan, *, deterministic: bool = False):
-    """Backward kernel over the backward's unions: dq (q's dtype) and dk, dv (k's dtype)
-    from fp32 atomic accumulators, or (``deterministic``) from int64 fixed-point sums
-    converted by ``qsa_triton.fixed_point``'s kernel: bitwise reproducible."""
-    interpret = interpreted()
-    dtype = dtype_name(q.dtype)
+@dataclass(frozen=True)
+class TorchAdapter:
+    """:class:`qsa_triton.driver.Adapter` for tensors on ``device`` (any strides)."""
 
-    def build(attempt):
-        return spec.backward_launch(plan, _operand(q), _operand(k), _operand(v), _operand(out), _operand(grad_out),
-                                    tuple(unions.union.shape), scale, dtype, interpreted=interpret,
-                                    attempt=attempt, deterministic=deterministic)
+    device: torch.device
+    wide_keys = True
 
-    lse = lse.contiguous()
-    hopper = not interpret and hopper_backward(q.device)
-    if hopper and deterministic:
-        # the kernel must follow from shapes, dtype and device alone, as in JAX (dense
-        # arrays): the fixed-point gradients are then bitwise equal across operand layouts
-        # (an expanded grad_out from out.sum()) and across the two frameworks
-        q, k, v, out, grad_out = (dense_aligned(x) for x in (q, k, v, out, grad_out))
-    # MAXIMA is read by the deterministic kernels only (LSE stands in for it otherwise)
-    maxima = input_maxima(q, grad_out, v, lse) if deterministic else lse
-    arrays = dict(Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, UNION=unions.union, COUNT=unions.count,
-                  ROWBITS=unions.rowbits, MAXIMA=maxima)
-    outputs = None
-    if hopper:
-        launch = spec.backward_sm90_launch(plan, _operand(q), _operand(k), _operand(v), _operand(out),
-                                           _operand(grad_out), tuple(unions.union.shape), scale, dtype,
-                                           deterministic=deterministic)
-        if launch is not None and _aligned(q, k, v, out, grad_out):
-            outputs = run(launch, arrays, q.device)
-    if outputs is None:
-        outputs = _run_fitting(build, plan, True, arrays, q.device)
-    if not deterministic:
-        return outputs["DQ"], outputs["DK"].to(k.dtype), outputs["DV"].to(v.dtype)
-    convert = spec.fixed_point_launch(tuple(k.shape), dtype_name(k.dtype), scale, q.shape[1] * plan.group,
-                                      interpreted=interpret)
-    grads = run(convert, dict(DK_FIXED=outputs["DK"], DV_FIXED=outputs["DV"], MAXIMA=maxima, FLAG=outputs["FLAG"]),
-                q.device)
-    return outputs["DQ"], grads["DK"], grads["DV"]
+    @property
+    def interpreted(self) -> bool:
+        return interpreted()
+
+    @property
+    def hopper_forward(self) -> bool:
+        return hopper_forward(self.device)
+
+    @property
+    def hopper_backward(self) -> bool:
+        return hopper_backward(self.device)
+
+    def launch(self, launch, arrays):
+        return run(launch, arrays, self.device)
+
+    def operand(self, x):
+        return tuple(x.shape), tuple(x.stride())
+
+    def dtype(self, x):
+        return dtype_name(x.dtype)
+
+    def aligned(self, *xs):
+        return all(x.data_ptr() % 16 == 0 for x in xs)
+
+    def dense(self, x):
+        return dense_aligned(x)
+
+    def sort(self, keys, chunk):
+        if chunk >= keys.numel():
+            return torch.sort(keys).values
+        for start in range(0, keys.numel(), chunk):
+            keys[start:start + chunk] = torch.sort(keys[start:start + chunk]).values
+        return keys
+
+    def concat(self, parts):
+        return torch.cat(parts)
+
+    def reshape(self, x, shape):
+        return x.view(shape)
+
+    def cast(self, x, like):
+        return x.to(like.dtype)
+
+    def maxima(self, q, do, v, lse):
+        return input_maxima(q, do, v, lse)
+
+
+def adapter(device: torch.device) -> TorchAdapter:
+    """The adapter of tensors on ``device``."""
+    return TorchAdapter(torch.device(device))

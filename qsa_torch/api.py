@@ -344,73 +344,6 @@ def _backward(ctx, grad_out):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("qsa::triton_sparse_gqa_attention", mutates_args=())
-def _triton_forward_op(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    selected_token_ids: torch.Tensor,
-    softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _prepare("triton", query.device)
-    from . import triton_qsa
-
-    result = triton_qsa.forward_with_residuals(query, key, value, selected_token_ids, softmax_scale)
-    logger.debug("sparse_gqa_attention: ran backend %r", "triton")
-    return result
-@_triton_forward_op.register_fake
-def _triton_forward_fake(query, key, value, selected_token_ids, softmax_scale):
-    from . import triton_qsa
-
-    shapes = triton_qsa.residual_shapes(query, key, selected_token_ids)
-    return tuple(query.new_empty(shape, dtype=dtype) for shape, dtype in shapes)
-
-
-@torch.library.custom_op("qsa::triton_sparse_gqa_attention_backward", mutates_args=())
-def _triton_backward_op(
-    grad_out: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    union: torch.Tensor,
-    count: torch.Tensor,
-    rowbits: torch.Tensor,
-    softmax_scale: float,
-    top_k: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from . import triton_qsa
-
-    grads = triton_qsa.backward_from_residuals(grad_out, query, key, value, out, lse, union, count,
-                                               rowbits, softmax_scale, top_k)
-    return tuple(g.contiguous() for g in grads)
-
-
-@_triton_backward_op.register_fake
-def _triton_backward_fake(grad_out, query, key, value, out, lse, union, count, rowbits, softmax_scale,
-                          top_k):
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
-
-
-def _triton_setup_context(ctx, inputs, output):
-    query, key, value, routes, scale = inputs
-    out, lse, union, count, rowbits = output
-    ctx.mark_non_differentiable(lse, union, count, rowbits)
-    ctx.save_for_backward(query, key, value, out, lse, union, count, rowbits)
-    ctx.scale, ctx.top_k = scale, routes.shape[2]
-
-
-def _triton_backward(ctx, grad_out, *_unused):
-    query, key, value, out, lse, union, count, rowbits = ctx.saved_tensors
-    dq, dk, dv = _triton_backward_op(grad_out, query, key, value, out, lse, union, count, rowbits,
-                                     ctx.scale, ctx.top_k)
-    return dq, dk, dv, None, None
-
-
-_triton_forward_op.register_autograd(_triton_backward, setup_context=_triton_setup_context)
-
-
 def _first_supported(device: torch.device, dtype: torch.dtype, sizes: tuple, needs_grad: bool,
                      route_format: str) -> str:
     """The backend ``"auto"`` would try first (static checks only). ``sizes`` =
@@ -435,8 +368,10 @@ def _supported(device: torch.device, dtype: torch.dtype, sizes: tuple, needs_gra
 
 
 def _call(name: str, query, key, value, routes, scale: float) -> torch.Tensor:
-    if name == "triton":
-        return _triton_forward_op(query, key, value, routes, scale)[0]
+    if name == "triton":  # its own op pair keeps LSE and unions for the backward
+        from . import triton_qsa
+
+        return triton_qsa.checked_attention(query, key, value, routes, scale)
     return _forward_op(query, key, value, routes, scale, name)
 
 

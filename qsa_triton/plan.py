@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from qsa_common.errors import UnsupportedShape
+
 from .config import MAX_ROWS_PER_TILE, BlockSizes
 
 __all__ = ["MAX_GRID_Y", "MAX_GRID_X", "INT32_MAX", "Plan", "make_plan", "default_plan", "next_pow2", "flat_span",
@@ -183,7 +185,7 @@ class KeyPlan:
     def make(n_groups: int, t: int, k: int, kv_length: int, *, wide_keys: bool = True,
              min_groups: int = MIN_GROUPS_PER_SORT) -> "KeyPlan":
         """``wide_keys`` False (a framework without int64 arrays): int32 keys always, one
-        group per sort where no group bits fit; NotImplementedError where the low bits
+        group per sort where no group bits fit; UnsupportedShape where the low bits
         alone need more than 31."""
         sentinel = kv_length * t
         key_bits = sentinel.bit_length()
@@ -196,10 +198,10 @@ class KeyPlan:
         elif key_bits <= 31:
             per_sort, dtype = max(1, min(n_groups, most, int32_groups)), "int32"
         else:
-            raise NotImplementedError(f"tile unions over S_kv = {kv_length} with {t}-row tiles need "
+            raise UnsupportedShape(f"tile unions over S_kv = {kv_length} with {t}-row tiles need "
                                       "sort keys wider than int32")
         if key_bits + max(1, (per_sort - 1).bit_length()) > 62:  # pragma: no cover - > 2**62 keys
-            raise ValueError(f"tile unions over kv_length {kv_length} need sort keys wider than 62 bits")
+            raise UnsupportedShape(f"tile unions over kv_length {kv_length} need sort keys wider than 62 bits")
         return KeyPlan(t.bit_length() - 1, sentinel, key_bits, per_sort, dtype)
 
 
@@ -316,7 +318,7 @@ def fold_grid(nx: int, ny: int, max_y: int = MAX_GRID_Y) -> tuple[tuple[int, int
         raise ValueError(f"a launch grid needs at least one program per axis, got {nx} x {ny}")
     fold = -(-ny // max_y)
     if nx * fold > MAX_GRID_X:
-        raise ValueError(f"{nx} x {ny} programs do not fit a CUDA launch grid")
+        raise UnsupportedShape(f"{nx} x {ny} programs do not fit a CUDA launch grid")
     return (nx * fold, -(-ny // fold)), fold
 
 

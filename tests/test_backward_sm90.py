@@ -141,7 +141,8 @@ def _problem(heads, kind, rng):
     """Two batch rows of 700 rows, int64 routes (huge padding IDs included), an unrouted
     inf/NaN K/V row; the forward's output, LSE and unions from the launcher."""
     from qsa_torch import _triton_launch as launcher
-    from qsa_torch import _triton_unions as unions
+    from qsa_torch import triton_qsa
+    from qsa_triton import driver
 
     seq, (hq, hkv) = 700, heads
     if kind == "qsa":
@@ -154,8 +155,8 @@ def _problem(heads, kind, rng):
     t["k"][:, 0], t["v"][:, 0] = float("inf"), float("nan")
     plan = make_plan(hq // hkv, 256, DEFAULT_BLOCK_SIZES)
     troutes = torch.from_numpy(routes).cuda()
-    tile = unions.build_unions(troutes, seq, plan)
-    out, lse = launcher.forward(t["q"], t["k"], t["v"], tile, 0.0625, plan)
+    tile = triton_qsa.build_unions(troutes, seq, plan)
+    out, lse = driver.forward(launcher.adapter(troutes.device), t["q"], t["k"], t["v"], tile, 0.0625, plan)
     ops = [(tuple(a.shape), a.stride()) for a in (t["q"], t["k"], t["v"], out, t["do"])]
     arrays = dict(Q=t["q"], K=t["k"], V=t["v"], O=out, DO=t["do"], LSE=lse, UNION=tile.union, COUNT=tile.count,
                   ROWBITS=tile.rowbits, MAXIMA=lse)

@@ -37,6 +37,9 @@ from qsa_common.generators import adversarial_routes  # noqa: E402
 from qsa_common.layouts import make_problem  # noqa: E402
 from qsa_common.oracle import oracle_forward_backward, relative_error  # noqa: E402
 from qsa_jax import triton_qsa as jt  # noqa: E402
+from qsa_jax._triton_call import operand as jax_operand  # noqa: E402
+from qsa_common.errors import UnsupportedDtype, UnsupportedShape  # noqa: E402
+from qsa_triton import driver  # noqa: E402
 from qsa_triton import launch as spec  # noqa: E402
 from qsa_triton.config import SAFE_BLOCK_SIZES, BlockSizes  # noqa: E402
 from qsa_triton.plan import flat_span, make_plan  # noqa: E402
@@ -151,7 +154,8 @@ def test_jit_grad_against_the_oracle(heads, blocks):
 def test_forward_and_lse_equal_torch_bit_for_bit(heads, blocks):
     """The same kernels with the same launches: torch's and JAX's out and LSE are the
     same bits (here in the interpreter; scripts/gpu/check_jax_triton.py on the GPU)."""
-    from qsa_torch import _triton_launch, _triton_unions
+    from qsa_torch import _triton_launch
+    from qsa_torch import triton_qsa as tt
 
     rng = _fresh_rng()
     problem = make_problem("padded", "adversarial", seed=int(rng.integers(2**31)), seq_len=24, width=7, batch=2)
@@ -161,8 +165,8 @@ def test_forward_and_lse_equal_torch_bit_for_bit(heads, blocks):
                                    block_sizes=blocks, launcher=LAUNCHER)
     tq, tk, tv = (torch.tensor(x, dtype=torch.bfloat16, device=DEVICE) for x in (q, k, v))
     plan = make_plan(heads[0] // heads[1], 16, blocks)
-    unions = _triton_unions.build_unions(torch.from_numpy(problem.routes).to(DEVICE), problem.kv_length, plan)
-    t_out, t_lse = _triton_launch.forward(tq, tk, tv, unions, scale, plan)
+    unions = tt.build_unions(torch.from_numpy(problem.routes).to(DEVICE), problem.kv_length, plan)
+    t_out, t_lse = driver.forward(_triton_launch.adapter(tq.device), tq, tk, tv, unions, scale, plan)
     np.testing.assert_array_equal(np.asarray(out).view(np.uint16), t_out.cpu().view(torch.uint16).numpy())
     np.testing.assert_array_equal(np.asarray(lse), t_lse.cpu().numpy())
 
@@ -276,7 +280,7 @@ def test_unions_equal_torch_and_the_oracle(monkeypatch, group, pairs, recipe):
     built per program), by either recipe (``qsa_triton.plan.rank_recipe``'s limit
     moved to force it), equal the oracle's, and torch's, element for element, on
     adversarial and random int64 routes (huge IDs included)."""
-    from qsa_torch import _triton_unions
+    from qsa_torch import triton_qsa as tt
     from qsa_triton import plan as plan_module
 
     rng = _fresh_rng()
@@ -295,7 +299,7 @@ def test_unions_equal_torch_and_the_oracle(monkeypatch, group, pairs, recipe):
 
     got = jt.build_unions(jnp.asarray(prepare_routes(routes)), kv_length, plan, LAUNCHER)
     assert_unions_equal(got, want, "jax")
-    torch_unions = _triton_unions.build_unions(torch.from_numpy(routes).to(DEVICE), kv_length, plan)
+    torch_unions = tt.build_unions(torch.from_numpy(routes).to(DEVICE), kv_length, plan)
     assert_unions_equal(tuple(x.cpu().numpy() for x in (torch_unions.union, torch_unions.count,
                                                        torch_unions.rowbits)), want, "torch")
 
@@ -314,14 +318,14 @@ def test_both_defaults_fall_back_to_padded_tiles_past_int32_pairs(monkeypatch):
     last = (2**31 - 1) // 128 * 128 // 12  # 12 * last pairs: whole 128-pair programs, the last below 2**31
     assert 12 * last == (2**31 - 1) // 128 * 128
     for s_q, flat in ((last, True), (last + 1, False), (2**28, False)):
-        torch_plan = tt._default_plan(torch.empty((1, s_q, 12, 256), device="meta"),
-                                      torch.empty((1, 8, 1, 256), device="meta"))
+        torch_plan = tt._plan(torch.empty((1, s_q, 12, 256), device="meta"),
+                              torch.empty((1, 8, 1, 256), device="meta"), None)
         jax_plan = jt.plan_for(jax.ShapeDtypeStruct((1, s_q, 12, 256), jnp.bfloat16),
                                jax.ShapeDtypeStruct((1, 8, 1, 256), jnp.bfloat16))
         assert torch_plan == jax_plan == default_plan(12, 256, blocks, s_q) and torch_plan.flat == flat, s_q
         if not flat:
             assert torch_plan == make_plan(12, 256, dataclasses.replace(blocks, flatten_heads=False))
-            with pytest.raises(NotImplementedError, match="int32"):
+            with pytest.raises(UnsupportedShape, match="int32"):
                 jt.plan_for(jax.ShapeDtypeStruct((1, s_q, 12, 256), jnp.bfloat16),
                             jax.ShapeDtypeStruct((1, 8, 1, 256), jnp.bfloat16), blocks)
 
@@ -339,7 +343,7 @@ def test_launches_and_plans_match_torch():
     assert jt.plan_for(q, kv, blocks) == tt.make_plan(12, 256, blocks)
     assert jt.plan_for(q, kv) == make_plan(12, 256, SAFE_BLOCK_SIZES)  # a CPU array: no GPU row
     plan = jt.plan_for(q, kv, blocks)
-    jax_launch = spec.forward_launch(plan, jt.operand(q), jt.operand(kv), jt.operand(kv), (2, 30, 80), 0.0625,
+    jax_launch = spec.forward_launch(plan, jax_operand(q), jax_operand(kv), jax_operand(kv), (2, 30, 80), 0.0625,
                                      "bfloat16", interpreted=False)
     torch_launch = spec.forward_launch(plan, (tuple(tq.shape), tq.stride()), (tuple(tkv.shape), tkv.stride()),
                                        (tuple(tkv.shape), tkv.stride()), (2, 30, 80), 0.0625, "bfloat16",
@@ -364,7 +368,7 @@ def test_host_side_launch_description():
     kv = jax.ShapeDtypeStruct((1, 64, 2, 256), jnp.bfloat16)
     routes = jax.ShapeDtypeStruct((1, 64, 20), jnp.int32)
     plan = make_plan(12, 256, jt.BlockSizes(num_stages=3, backward_block_k=64, flatten_heads=True))
-    jax.eval_shape(lambda a, b, c, r: jt._forward(a, b, c, r, 0.0625, plan, Recorder(), jt._hopper(Recorder(), a)),
+    jax.eval_shape(lambda a, b, c, r: jt._forward(a, b, c, r, 0.0625, plan, jt._adapter(a, Recorder())),
                    q, kv, kv, routes)
     kernels = [launch.kernel for launch, _ in calls]
     # 64 IDs against 32-row groups of 20 routes: the rank recipe (qsa_triton.plan.rank_recipe)
@@ -411,8 +415,11 @@ def test_importing_jax_triton_keeps_tritons_cache_directory(monkeypatch, before)
         monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     else:
         monkeypatch.setenv("TRITON_CACHE_DIR", before)
-    assert _triton_call.jax_triton() is stand_in
-    assert os.environ.get("TRITON_CACHE_DIR") == before
+    try:
+        assert _triton_call.jax_triton() is stand_in
+        assert os.environ.get("TRITON_CACHE_DIR") == before
+    finally:  # later tests import the real module, where there is one
+        sys.modules.pop("jax_triton", None)
 
 
 def test_missing_jax_triton_raises_import_error_on_first_use(monkeypatch, caplog):
@@ -443,15 +450,13 @@ def test_missing_jax_triton_raises_import_error_on_first_use(monkeypatch, caplog
 def test_declines_what_it_cannot_run():
     x = jnp.ones((1, 4, 2, 16), jnp.float32)
     routes = np.zeros((1, 4, 2), np.int32)
-    with pytest.raises(ValueError, match="head dim") as err:  # the contract's class, and a decline
+    with pytest.raises(UnsupportedShape, match="head dim <= 256, got 264"):  # a ValueError, and a decline
         attention(*(jnp.ones((1, 4, 2, 264), jnp.float32),) * 3, routes)
-    assert isinstance(err.value, NotImplementedError)
     with jax.enable_x64(True):
         wide = jnp.ones((1, 4, 2, 16), jnp.float64)
-        with pytest.raises(TypeError, match="float64") as err:
+        with pytest.raises(UnsupportedDtype, match="float64"):  # a TypeError, and a decline
             attention(wide, wide, wide, routes)
-        assert isinstance(err.value, NotImplementedError)
-    with pytest.raises(NotImplementedError, match="qsa_triton.BlockSizes"):
+    with pytest.raises(TypeError, match="BlockSizes"):
         attention(x, x, x, routes, block_sizes=(64, 32))
     with pytest.raises(TypeError, match="selected_token_ids"):
         attention(x, x, x, routes.astype(np.float32))
@@ -606,7 +611,7 @@ def test_kernels_compile_to_the_same_float_instructions_for_both_launchers():
 
 _GLUON_COMPILE_CHECK = """
 import json, types
-from qsa_jax import _triton_call
+from qsa_jax import _jax_triton_patch as patch
 from qsa_triton import launch as spec
 from qsa_triton.config import BlockSizes
 from qsa_triton.plan import make_plan
@@ -620,7 +625,7 @@ def get_or_create_triton_kernel(backend_init_func, platform, fn, arg_dtypes, sca
 
 calls = types.SimpleNamespace(TritonKernel=lambda *args: args, get_compute_capability=lambda device: 90)
 lib = types.SimpleNamespace(get_or_create_triton_kernel=get_or_create_triton_kernel, triton_kernel_call_lib=calls)
-installed = [_triton_call.install_gluon_compile(lib), _triton_call.install_gluon_compile(lib)]
+installed = [patch.install_gluon_compile(lib), patch.install_gluon_compile(lib)]
 plan = make_plan(12, 256, BlockSizes(num_stages=3, backward_block_k=64, flatten_heads=True))
 q = ((1, 256, 24, 256), spec.contiguous_strides((1, 256, 24, 256)))
 kv = ((1, 256, 2, 256), spec.contiguous_strides((1, 256, 2, 256)))
@@ -637,9 +642,9 @@ own = lib.get_or_create_triton_kernel(None, "cuda", spec.kernel("forward"), [], 
 print(json.dumps(dict(installed=installed, name=name, warps=warps, ctas=ctas, shared=shared,
                       capability=capability, setmaxnreg="setmaxnreg" in ptx, wgmma="wgmma" in ptx,
                       attrs={str(k[0]): v for k, v in attrs.items()}, own=own[0], seen=seen,
-                      other=_triton_call.install_gluon_compile(types.SimpleNamespace(
+                      other=patch.install_gluon_compile(types.SimpleNamespace(
                           get_or_create_triton_kernel=lambda fn, **kw: None)),
-                      missing=_triton_call.install_gluon_compile(types.SimpleNamespace()))))
+                      missing=patch.install_gluon_compile(types.SimpleNamespace()))))
 """
 
 
@@ -704,8 +709,8 @@ def test_backward_takes_the_hopper_kernel_where_it_launches(monkeypatch, heads, 
     n_tiles = plan.n_tiles(seq)
     unions = (jnp.zeros((1, n_tiles, 2052), jnp.int32), jnp.zeros((1, n_tiles), jnp.int32),
               jnp.zeros((1, n_tiles, 2052), jnp.int32))
-    jt._backward(q, kv, kv, q, jnp.zeros((1, hq, seq), jnp.float32), unions, q, 0.0625, plan, 512,
-                 Launcher(gluon), deterministic, jt._hopper(Launcher(gluon), q))
+    driver.backward(jt._adapter(q, Launcher(gluon)), q, kv, kv, q, jnp.zeros((1, hq, seq), jnp.float32), q,
+                    driver.Unions(*unions, plan.rows_per_tile), 0.0625, plan, deterministic=deterministic)
     hopper = gluon and capability == (9, 0)
     assert seen == ["backward_sm90" if hopper else "backward"] + (["fixed_point"] if deterministic else [])
 
@@ -716,18 +721,25 @@ def test_backward_takes_the_hopper_kernel_where_it_launches(monkeypatch, heads, 
 def test_forward_takes_the_hopper_kernel_where_it_launches(monkeypatch, gluon, interpreted, capability, want):
     """qsa_jax's forward takes the warp-specialized kernel (as qsa_torch does) only with
     a launcher that launches Gluon kernels, compiled, on an sm_90 GPU; else forward.py."""
+    seen = []
+
     @dataclass(frozen=True)
     class Launcher:
         gluon: bool
         interpreted: bool
 
+        def __call__(self, launch, arrays):
+            seen.append(launch.kernel)
+            return {o.name: jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs}
+
     monkeypatch.setattr(jt, "gpu_capability", lambda x: capability)
     q = jax.ShapeDtypeStruct((1, 256, 24, 256), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)
+    unions = driver.Unions(*(jax.ShapeDtypeStruct(s, jnp.int32) for s in ((1, 24, 2052), (1, 24), (1, 24, 2052))),
+                           32)
     plan = make_plan(12, 256, jt.BlockSizes(num_stages=3, backward_block_k=64, flatten_heads=True))
-    launcher = Launcher(gluon, interpreted)
-    launch = jt._forward_launch(q, kv, kv, (1, 24, 2052), 0.0625, plan, launcher, jt._hopper(launcher, q))
-    assert launch.kernel == want
+    driver.forward(jt._adapter(q, Launcher(gluon, interpreted)), q, kv, kv, unions, 0.0625, plan)
+    assert seen == [want]
 
 
 def test_backward_takes_the_forwards_hopper_choice(monkeypatch):
@@ -760,3 +772,164 @@ def test_backward_takes_the_forwards_hopper_choice(monkeypatch):
     capability["now"] = None
     pull(q)
     assert [name for name in seen if name.startswith("backward")] == ["backward_sm90"], seen
+
+
+def _stub(backend_init_func, platform, fn, arg_dtypes, scalar_args, *, num_warps, num_stages, num_ctas,
+          compute_capability, enable_fp_fusion, metaparams, dump):
+    """jax-triton 0.3.1's ``get_or_create_triton_kernel`` signature, without its body."""
+    return "own", {}
+
+
+def test_jax_triton_patch_checks_the_patched_signature():
+    """The patch (qsa_jax._jax_triton_patch) wraps a function with the supported
+    signature and leaves any other alone: a parameter removed, renamed or moved."""
+    import types
+
+    from qsa_jax import _jax_triton_patch as patch
+
+    pytest.importorskip("triton.experimental.gluon", reason="this triton has no Gluon")
+    assert patch.signature_matches(_stub)
+
+    def dropped(backend_init_func, platform, fn, arg_dtypes, scalar_args, *, num_warps, num_stages, num_ctas,
+                compute_capability, enable_fp_fusion, metaparams):
+        return "own", {}
+
+    def moved(platform, backend_init_func, fn, arg_dtypes, scalar_args, *, num_warps, num_stages, num_ctas,
+              compute_capability, enable_fp_fusion, metaparams, dump):
+        return "own", {}
+
+    for other in (dropped, moved):
+        assert not patch.signature_matches(other)
+        lib = types.SimpleNamespace(get_or_create_triton_kernel=other)
+        assert patch.install_gluon_compile(lib) is False and lib.get_or_create_triton_kernel is other
+    lib = types.SimpleNamespace(get_or_create_triton_kernel=_stub)
+    assert patch.install_gluon_compile(lib) is True and lib.get_or_create_triton_kernel is not _stub
+
+
+def test_installed_jax_triton_has_the_patched_signature():
+    """Where jax-triton is installed: its version is in the supported range and the patched
+    function still takes the parameters the patch passes on (fails on a jax-triton whose
+    private helper changed, rather than silently losing the Hopper kernels). Where it is
+    installed but cannot load (a CPU build of jax), the function's parameters are read
+    from its source."""
+    import ast
+    import importlib.metadata
+    import importlib.util
+    import inspect
+    import pathlib
+
+    from qsa_jax import _jax_triton_patch as patch
+    from qsa_jax import _triton_call
+
+    try:
+        found = importlib.util.find_spec("jax_triton")
+    except ValueError:  # a stand-in module without a spec
+        found = None
+    if found is None or not found.submodule_search_locations:
+        pytest.skip("jax-triton is not installed")
+    specifiers = pytest.importorskip("packaging.specifiers")
+    installed = importlib.metadata.version("jax-triton")
+    assert installed in specifiers.SpecifierSet(patch.SUPPORTED_VERSIONS), installed
+    try:  # through the loader, which keeps Triton's cache directory
+        _triton_call.jax_triton()
+        function = importlib.import_module("jax_triton.triton_lib").get_or_create_triton_kernel
+        names = tuple(inspect.signature(getattr(function, "__wrapped__", function)).parameters)
+    except ImportError:  # installed, but it needs a CUDA build of jax to load: read the source
+        source = pathlib.Path(next(iter(found.submodule_search_locations)), "triton_lib.py").read_text()
+        definition = next(node for node in ast.walk(ast.parse(source))
+                          if isinstance(node, ast.FunctionDef) and node.name == "get_or_create_triton_kernel")
+        arguments = definition.args
+        names = tuple(a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs)
+    assert names == patch.EXPECTED_PARAMETERS
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_both_adapters_make_the_same_launches(monkeypatch, hopper, deterministic):
+    """``qsa_triton.driver`` through the torch and the JAX adapter, forward and backward,
+    for one problem: the same launches (kernels, grids, warps, stages, fp32 scalars,
+    integer and constexpr arguments, outputs) in the same order, with the portable kernels
+    and, as on an sm_90 GPU, the Hopper ones (the precondition of bitwise-equal results
+    across frameworks; recorded by stand-in launchers, nothing runs)."""
+    from qsa_torch import _triton_launch
+    from qsa_triton.config import DEFAULT_BLOCK_SIZES
+
+    torch_launches, jax_launches = [], []
+
+    def torch_run(launch, arrays, device):
+        torch_launches.append(launch)
+        return {o.name: torch.zeros(o.shape, dtype=_TORCH[o.dtype]) for o in launch.outputs}
+
+    @dataclass(frozen=True)
+    class Recorder:
+        interpreted: bool = False
+
+        def __call__(self, launch, arrays):
+            jax_launches.append(launch)
+            return {o.name: jnp.zeros(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs}
+
+    monkeypatch.setattr(_triton_launch, "run", torch_run)
+    monkeypatch.setattr(_triton_launch, "interpreted", lambda: False)
+    monkeypatch.setattr(_triton_launch, "hopper_forward", lambda device: hopper)
+    monkeypatch.setattr(_triton_launch, "hopper_backward", lambda device: hopper)
+    rng = _fresh_rng()
+    (hq, hkv), seq, width = (24, 2), 256, 20
+    routes = rng.integers(-1, seq, size=(1, seq, width))
+    plan = make_plan(hq // hkv, 256, DEFAULT_BLOCK_SIZES)
+    shapes = {"q": (1, seq, hq, 256), "k": (1, seq, hkv, 256), "v": (1, seq, hkv, 256)}
+    shapes["o"] = shapes["do"] = shapes["q"]
+    lse_shape = (1, hq, seq)
+
+    def run(ad, zeros, routes_):
+        x = {name: zeros(shape) for name, shape in shapes.items()}
+        unions = driver.build_unions(ad, routes_, seq, plan, padded=False)
+        driver.forward(ad, x["q"], x["k"], x["v"], unions, 0.0625, plan)
+        unions = driver.backward_unions(ad, unions, plan, width, seq)
+        driver.backward(ad, x["q"], x["k"], x["v"], x["o"], zeros(lse_shape, "float32"), x["do"], unions, 0.0625,
+                        plan, deterministic=deterministic)
+
+    run(_triton_launch.adapter("cpu"), lambda s, d="bfloat16": torch.zeros(s, dtype=_TORCH[d]),
+        torch.from_numpy(routes.astype(np.int32)))
+    run(driver_jax_adapter(Recorder(), hopper), lambda s, d="bfloat16": jnp.zeros(s, jnp.dtype(d)),
+        jnp.asarray(routes.astype(np.int32)))
+    kernels = [launch.kernel for launch in jax_launches]
+    assert ("forward_sm90" in kernels) == hopper and ("backward_sm90" in kernels) == hopper, kernels
+    assert ("fixed_point" in kernels) == deterministic, kernels
+    assert torch_launches == jax_launches
+
+
+def driver_jax_adapter(launcher, hopper):
+    from qsa_jax._triton_call import JaxAdapter
+
+    return JaxAdapter(launcher, hopper, jax.config.jax_enable_x64)
+
+
+def test_both_frameworks_decline_alike(monkeypatch):
+    """``supports`` of the torch and the JAX Triton backend: the same class and message for
+    the same inputs (limits written once, in ``qsa_triton.limits``): D > 256, float64,
+    inputs off a GPU with compiled kernels, a missing runtime (named with its pip extra)."""
+    import importlib.util
+
+    from qsa_common.errors import MissingRuntime, UnsupportedDevice
+    from qsa_torch import triton_qsa as tt
+
+    def both(head_dim, dtype):
+        with jax.enable_x64(True):
+            x = _on_cpu(jnp.zeros((1, 4, 2, head_dim), dtype))
+            got_jax = jt.supports(x, x, x, None)
+        t = torch.zeros((1, 4, 2, head_dim), dtype=getattr(torch, dtype))
+        return tt.supports(t, t, t, None), got_jax
+
+    for head_dim, dtype, cls in ((264, "float32", UnsupportedShape), (16, "float64", UnsupportedDtype)):
+        got_torch, got_jax = both(head_dim, dtype)
+        assert type(got_torch) is type(got_jax) is cls and str(got_torch) == str(got_jax), (got_torch, got_jax)
+    monkeypatch.setattr(spec, "interprets", lambda: False)  # compiled kernels, every runtime present
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object())
+    got_torch, got_jax = both(16, "bfloat16")
+    assert type(got_torch) is type(got_jax) is UnsupportedDevice and str(got_torch) == str(got_jax)
+    assert "CUDA" in str(got_torch) and "cpu" in str(got_torch)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)  # no runtime
+    got_torch, got_jax = both(16, "bfloat16")
+    assert isinstance(got_torch, MissingRuntime) and isinstance(got_jax, MissingRuntime)
+    assert "'triton' package" in str(got_torch) and "'jax_triton' package" in str(got_jax)
+    assert all("pip install" in str(e) and "qsa[" in str(e) for e in (got_torch, got_jax))

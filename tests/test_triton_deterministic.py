@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 from fractions import Fraction
 
@@ -26,10 +27,11 @@ import triton.language as tl  # noqa: E402
 
 from contract_base import TOLERANCE, BackendContract, UnroutedRowsIsolated, random_inputs  # noqa: E402
 from runners import run_torch  # noqa: E402
-from qsa_common.generators import adversarial_routes, qsa_format_routes, random_routes  # noqa: E402
+from qsa_common.generators import adversarial_routes, random_routes  # noqa: E402
 from qsa_common.layouts import make_problem  # noqa: E402
-from qsa_common.oracle import membership, oracle_forward_backward, relative_error  # noqa: E402
+from qsa_common.oracle import oracle_forward_backward, relative_error  # noqa: E402
 from qsa_torch import _triton_launch, triton_qsa  # noqa: E402
+from qsa_triton import driver  # noqa: E402
 from qsa_triton import launch as spec  # noqa: E402
 from qsa_triton.config import BlockSizes  # noqa: E402
 from qsa_triton.fixed_point import add_fixed, fixed_point_exponents  # noqa: E402
@@ -83,6 +85,66 @@ def poisoned_launch(monkeypatch):
     monkeypatch.setattr(_triton_launch, "new_buffer", buffer)
 
 
+@pytest.fixture
+def shuffled_programs(monkeypatch):
+    """Every interpreted launch runs its programs in a fresh random order (one permutation
+    of its grid per launch), as a GPU may schedule them; yields the orders run. Triton's
+    interpreter otherwise runs them in one fixed order, under which repeated runs agree
+    whatever the backward adds. Test-only: it wraps the interpreter's grid-index setter
+    (``GridExecutor`` sets the grid, then each program's index, in order). Compiled
+    kernels: None, nothing changed (the GPU schedules the programs itself)."""
+    if not _triton_launch.interpreted():
+        yield None
+        return
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    if builder is None or not hasattr(builder, "set_grid_dim") or not hasattr(builder, "set_grid_idx"):
+        pytest.skip("this triton's interpreter sets program indices differently")
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    set_dim, set_idx = builder.set_grid_dim, builder.set_grid_idx
+    orders, position = [], [0]
+
+    def shuffled_dim(nx, ny, nz):
+        set_dim(nx, ny, nz)
+        grid = list(itertools.product(range(nx), range(ny), range(nz)))
+        orders.append([grid[i] for i in rng.permutation(len(grid))])
+        position[0] = 0
+
+    def shuffled_idx(x, y, z):
+        set_idx(*orders[-1][position[0]])
+        position[0] += 1
+
+    monkeypatch.setattr(builder, "set_grid_dim", shuffled_dim)
+    monkeypatch.setattr(builder, "set_grid_idx", shuffled_idx)
+    yield orders
+
+
+@pytest.mark.parametrize("heads, blocks", [((6, 2), FP_SMALL), ((12, 1), FP_FLAT)])
+def test_fixed_point_bits_survive_shuffled_program_orders(shuffled_programs, heads, blocks):
+    """Bitwise reproducibility the interpreter can disprove: every launch's programs run in
+    a new random order (:func:`shuffled_programs`). The fixed-point backward gives the same
+    bits under every order; the fp32-atomic backward, over keys that every tile routes to,
+    gives different dK/dV bits under some of the orders (so the shuffle reaches the adds
+    this test is about, and a backward that ignored ``deterministic=True`` would fail)."""
+    if shuffled_programs is None:
+        pytest.skip("compiled kernels: the gpu tests prove reproducibility under the GPU's own schedules")
+    rng = _fresh_rng()
+    s_q, kv_length = 32, 6
+    routes = np.stack([rng.permutation(kv_length) for _ in range(s_q)])[None]  # every row: every key
+    q, k, v, do = random_inputs(rng, routes, kv_length, heads, 16, "float32")
+    fixed = [_grads(q, k, v, routes, 0.3, do, "float32", blocks) for _ in range(3)]
+    assert len({tuple(order) for order in shuffled_programs}) > 1  # the orders differ
+    _assert_oracle(fixed[0], oracle_forward_backward(q, k, v, routes, 0.3, do), "float32")
+    for run in fixed[1:]:
+        for name, a, b in zip(("out", "dq", "dk", "dv"), run, fixed[0]):
+            assert _bitwise_equal(a, b), f"{name}: the fixed-point backward's bits depend on the programs' order"
+    atomic = [_grads(q, k, v, routes, 0.3, do, "float32", blocks, deterministic=False) for _ in range(4)]
+    assert all(_bitwise_equal(run[1], atomic[0][1]) for run in atomic)  # dQ: no atomics, one order
+    assert any(not (_bitwise_equal(run[2], atomic[0][2]) and _bitwise_equal(run[3], atomic[0][3]))
+               for run in atomic[1:]), "fp32 atomic dK/dV did not change with the programs' order"
+
+
 def _fixed_point(blocks):
     def fn(q, k, v, routes, scale):
         return triton_qsa.triton_sparse_gqa_attention(q, k, v, routes, scale, block_sizes=blocks, deterministic=True)
@@ -129,10 +191,12 @@ class TestFixedPointContract(UnroutedRowsIsolated, BackendContract):
     ("cp", "qsa", (12, 1), "float32", FP_FLAT),
     ("packed", "random", (6, 2), "bfloat16", FP_SMALL),
 ])
-def test_fixed_point_against_the_oracle_and_bitwise(poisoned_launch, layout, family, heads, dtype, blocks):
+def test_fixed_point_against_the_oracle_and_bitwise(poisoned_launch, shuffled_programs, layout, family, heads, dtype,
+                                                    blocks):
     """Layouts (padded rows all -1, packed documents, CP shards with S_q != S_kv), G in
     {1, 3, 12}, flat and padded programs: dq/dk/dv against the float64 oracle, the same
-    bits over three runs, and within rounding of the default (atomic fp32) backward."""
+    bits over three runs (each launch's programs in a new order on CPU:
+    :func:`shuffled_programs`), and within rounding of the default (atomic fp32) backward."""
     rng = _fresh_rng()
     problem = make_problem(layout, family, seed=int(rng.integers(2**31)), seq_len=24, top_k=2,
                            width=None if family == "qsa" else 7, batch=2 if layout == "padded" else 1)
@@ -174,8 +238,6 @@ def test_fixed_point_folded_grid_int64_offsets_strides():
     """Folded launch grids (y limit 2), 64-bit offsets, transposed views and an expanded
     output gradient (stride 0): the oracle's gradients, and the same bits as the plain
     launch on contiguous inputs (integer sums, whatever the programs' order)."""
-    from qsa_torch import _triton_unions
-    from qsa_torch._triton_autograd import TritonQSA
     from qsa_triton.plan import make_plan
 
     rng = _fresh_rng()
@@ -185,16 +247,15 @@ def test_fixed_point_folded_grid_int64_offsets_strides():
     do = np.ones_like(q)  # what out.sum().backward() hands in
     r = torch.from_numpy(routes).to(DEVICE)
 
-    def run(plan, strided):
-        leaves = [torch.tensor(x, dtype=torch.float32, device=DEVICE, requires_grad=True) for x in (q, k, v)]
-        args = [x.transpose(1, 2).contiguous().transpose(1, 2) if strided else x for x in leaves]
-        unions = _triton_unions.build_unions(r, kv_length, plan)
-        out = TritonQSA.apply(*args, unions.union, unions.count, unions.rowbits, 0.3, plan, routes.shape[2], True)
-        if strided:
-            out.sum().backward()
-        else:
-            out.backward(torch.ones_like(out))
-        return [x.grad for x in leaves]
+    def run(plan, strided):  # the driver under an explicit plan, as the op pair runs it
+        ad = _triton_launch.adapter(DEVICE)
+        args = [torch.tensor(x, dtype=torch.float32, device=DEVICE) for x in (q, k, v)]
+        args = [x.transpose(1, 2).contiguous().transpose(1, 2) if strided else x for x in args]
+        unions = driver.build_unions(ad, r, kv_length, plan)
+        out, lse = driver.forward(ad, *args, unions, 0.3, plan)
+        grad = torch.ones((), device=DEVICE).expand_as(out) if strided else torch.ones_like(out)
+        return driver.backward(ad, *args, out, lse, grad, driver.backward_unions(ad, unions, plan, 9, s_q), 0.3, plan,
+                               deterministic=True)
 
     plain = run(make_plan(3, 16, FP_SMALL), False)
     odd = run(make_plan(3, 16, FP_SMALL, max_grid_y=2, offset_limit=0), True)
@@ -378,13 +439,13 @@ def test_fixed_point_nan_is_never_a_finite_number(where):
 def _spy_backward(monkeypatch):
     """Records the ``deterministic`` argument of every backward launch."""
     seen = []
-    original = _triton_launch.backward
+    original = driver.backward
 
     def spy(*args, deterministic=False, **kwargs):
         seen.append(deterministic)
         return original(*args, deterministic=deterministic, **kwargs)
 
-    monkeypatch.setattr(_triton_launch, "backward", spy)
+    monkeypatch.setattr(driver, "backward", spy)
     return seen
 
 

@@ -31,19 +31,21 @@ from union_oracle import assert_unions_equal, flat_unions, tile_unions  # noqa: 
 from qsa_common.generators import adversarial_routes, random_routes  # noqa: E402
 from qsa_common.layouts import make_problem  # noqa: E402
 from qsa_common.oracle import membership, oracle_forward_backward, relative_error  # noqa: E402
-from qsa_torch import _triton_launch, _triton_unions, triton_qsa  # noqa: E402
-from qsa_torch._triton_autograd import TritonQSA  # noqa: E402
+from qsa_common.errors import MissingRuntime, UnsupportedDevice, UnsupportedDtype, UnsupportedShape  # noqa: E402
+from qsa_torch import _triton_launch, triton_qsa  # noqa: E402
 from qsa_torch.routes import normalize_routes, to_torch_routes  # noqa: E402
 from qsa_torch.triton_qsa import (  # noqa: E402
     BlockSizes,
     build_tile_unions,
     triton_sparse_gqa_attention,
 )
+from qsa_triton import driver  # noqa: E402
 from qsa_triton import launch as spec  # noqa: E402
 from qsa_triton.plan import (KeyPlan, SortStep, flat_span, flat_union_rows, fold_grid, make_plan,  # noqa: E402
                              offsets_fit_int32)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ADAPTER = _triton_launch.adapter(DEVICE)  # the torch adapter of qsa_triton.driver
 
 
 @triton.jit
@@ -238,7 +240,7 @@ def test_poisoned_outputs_are_fully_overwritten(monkeypatch):
     assert empty.any() and np.all(got[0][0, empty] == 0.0) and np.all(got[1][0, empty] == 0.0)
     raw = torch.from_numpy(routes).to(DEVICE)
     assert_unions_equal(_numpy(build_tile_unions(raw, 37, 8)), tile_unions(routes, 37, 8))
-    split = _triton_unions.split_tile_unions(build_tile_unions(raw, 37, 8), 4, 8, 37)
+    split = driver.split_tile_unions(ADAPTER, build_tile_unions(raw, 37, 8), 4, 8, 37)
     assert_unions_equal(_numpy(split), tile_unions(routes, 37, 4))
 
 
@@ -302,15 +304,17 @@ def _small_tensors(dtype=torch.float32, head_dim=16, device=DEVICE):
 
 def test_bad_input_raises_contract_errors():
     q, k, v, r = _small_tensors()
-    with pytest.raises(TypeError, match="query"):
+    with pytest.raises(UnsupportedDtype, match="float64"):  # a TypeError, and a decline
         triton_sparse_gqa_attention(q.double(), k.double(), v.double(), r)
+    with pytest.raises(TypeError, match="query"):
+        triton_sparse_gqa_attention(q.int(), k.int(), v.int(), r)
     with pytest.raises(TypeError, match="selected_token_ids"):
         triton_sparse_gqa_attention(q, k, v, r.float())
     with pytest.raises(ValueError, match="query heads"):
         triton_sparse_gqa_attention(q, k.expand(1, 6, 3, 16), v.expand(1, 6, 3, 16), r)
     with pytest.raises(ValueError, match="softmax_scale"):
         triton_sparse_gqa_attention(q, k, v, r, -1.0)
-    with pytest.raises(ValueError, match="head dim"):
+    with pytest.raises(UnsupportedShape, match="head dim <= 256, got 264"):  # a ValueError, and a decline
         triton_sparse_gqa_attention(*_small_tensors(head_dim=264))
     with pytest.raises(TypeError, match="block_sizes"):
         triton_sparse_gqa_attention(q, k, v, r, block_sizes=(64, 32))
@@ -321,9 +325,11 @@ def test_bad_input_raises_contract_errors():
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    monkeypatch.setattr(_triton_launch, "interpreted", lambda: False)
-    with pytest.raises(ValueError, match="CUDA"):
-        triton_sparse_gqa_attention(*_small_tensors(device="cpu"))
+    monkeypatch.setattr(spec, "interprets", lambda: False)
+    args = _small_tensors(device="cpu")
+    assert isinstance(triton_qsa.supports(*args), UnsupportedDevice)
+    with pytest.raises(UnsupportedDevice, match="CUDA"):  # a RuntimeError, and a decline
+        triton_sparse_gqa_attention(*args)
 
 
 def test_missing_triton_raises_import_error(monkeypatch):
@@ -332,7 +338,8 @@ def test_missing_triton_raises_import_error(monkeypatch):
         monkeypatch.delitem(sys.modules, f"qsa_triton.{name}", raising=False)
     _triton_launch.interpreted.cache_clear()
     try:
-        with pytest.raises(ImportError, match="triton"):
+        assert isinstance(triton_qsa.supports(*_small_tensors()), MissingRuntime)
+        with pytest.raises(MissingRuntime, match="'triton' package"):  # an ImportError, and a decline
             triton_sparse_gqa_attention(*_small_tensors())
     finally:
         _triton_launch.interpreted.cache_clear()
@@ -340,12 +347,14 @@ def test_missing_triton_raises_import_error(monkeypatch):
 
 def _run_plan(plan, q, k, v, routes, scale, do):
     """out, dq, dk, dv (float64 numpy) of the kernels under an explicit ``plan``."""
-    leaves = [torch.tensor(x, dtype=torch.float32, device=DEVICE, requires_grad=True) for x in (q, k, v)]
+    q, k, v, do = (torch.tensor(x, dtype=torch.float32, device=DEVICE) for x in (q, k, v, do))
     r = torch.from_numpy(routes).to(DEVICE)
-    unions = _triton_unions.build_unions(r, k.shape[1], plan)
-    out = TritonQSA.apply(*leaves, unions.union, unions.count, unions.rowbits, scale, plan, routes.shape[2], False)
-    out.backward(torch.tensor(do, dtype=torch.float32, device=DEVICE))
-    return tuple(t.detach().double().cpu().numpy() for t in (out, *(x.grad for x in leaves)))
+    unions = driver.build_unions(ADAPTER, r, k.shape[1], plan)
+    out, lse = driver.forward(ADAPTER, q, k, v, unions, scale, plan)
+    grads = driver.backward(ADAPTER, q, k, v, out, lse, do, driver.backward_unions(ADAPTER, unions, plan,
+                                                                                    routes.shape[2], q.shape[1]),
+                            scale, plan)
+    return tuple(t.double().cpu().numpy() for t in (out, *grads))
 
 
 def test_fold_grid():
@@ -487,7 +496,7 @@ def test_residual_form_with_a_flat_default(monkeypatch):
     q, k, v, do = (torch.from_numpy(x).float().to(DEVICE)
                    for x in random_inputs(rng, problem.routes, problem.kv_length, (12, 1), 16, "float32"))
     routes = torch.from_numpy(problem.routes).to(DEVICE)
-    assert triton_qsa._default_plan(q, k).flat
+    assert triton_qsa._plan(q, k, None).flat
     results = triton_qsa.forward_with_residuals(q, k, v, routes, 0.3)
     assert [(tuple(x.shape), x.dtype) for x in results] == triton_qsa.residual_shapes(q, k, routes)
     grads = triton_qsa.backward_from_residuals(do, q, k, v, *results, 0.3, routes.shape[2])
@@ -543,11 +552,11 @@ def test_flat_unions_cut_from_tiles_equal_unions_sorted_per_program(group, pairs
     want = flat_unions(routes, kv_length, group, pairs, flat_span(pairs, group))
     _, cut = _recipe(plan, routes, kv_length)
     assert cut is not None  # the default recipe cuts tile unions
-    assert_unions_equal(_numpy(_triton_unions.build_unions(raw, kv_length, plan)), want, "cut")
+    assert_unions_equal(_numpy(triton_qsa.build_unions(raw, kv_length, plan)), want, "cut")
     n_programs = plan.n_tiles(s_q)
     per_program = SortStep(plan.rows_per_tile, n_programs, cut.width,
                            KeyPlan.make(2 * n_programs, plan.rows_per_tile, width, kv_length), pairs, group)
-    assert_unions_equal(_numpy(_triton_unions.sorted_unions(raw, kv_length, per_program)), want, "sorted")
+    assert_unions_equal(_numpy(driver.sorted_unions(ADAPTER, raw, kv_length, per_program)), want, "sorted")
 
 
 def _recipe(plan, routes, kv_length):
@@ -570,15 +579,15 @@ def test_split_unions_equal_unions_built_at_the_finer_tiling(rows, sub_rows, s_q
     routes = _union_routes(rng, kv_length, width, s_q)
     raw = torch.from_numpy(routes).to(DEVICE)
     coarse = build_tile_unions(raw, kv_length, rows)
-    got = _triton_unions.split_tile_unions(coarse, sub_rows, width, s_q)
+    got = driver.split_tile_unions(ADAPTER, coarse, sub_rows, width, s_q)
     assert got.rows_per_tile == sub_rows
     assert_unions_equal(_numpy(got), tile_unions(routes, kv_length, sub_rows))
-    assert _triton_unions.split_tile_unions(coarse, rows, width, s_q) is coarse
+    assert driver.split_tile_unions(ADAPTER, coarse, rows, width, s_q) is coarse
     with pytest.raises(ValueError):
-        _triton_unions.split_tile_unions(coarse, rows * 2, width, s_q)
+        driver.split_tile_unions(ADAPTER, coarse, rows * 2, width, s_q)
     if rows < coarse.union.shape[2]:  # a K of 1 cannot have made unions this wide
         with pytest.raises(ValueError, match="top_k"):
-            _triton_unions.split_tile_unions(coarse, sub_rows, 1, s_q)
+            driver.split_tile_unions(ADAPTER, coarse, sub_rows, 1, s_q)
 
 
 @pytest.mark.parametrize("heads, layout, family", [
@@ -746,7 +755,7 @@ def test_tile_unions_over_several_sorts():
     assert (keys.dtype, keys.per_sort) == ("int32", 8)
     step = SortStep(1, 10, 4, keys)
     want = tile_unions(routes, kv_length, 1)
-    assert_unions_equal(_numpy(_triton_unions.sorted_unions(raw, kv_length, step)), want, "two sorts")
+    assert_unions_equal(_numpy(driver.sorted_unions(ADAPTER, raw, kv_length, step)), want, "two sorts")
     assert_unions_equal(_numpy(build_tile_unions(raw, kv_length, 1)), want, "one sort")
 
 
@@ -844,8 +853,8 @@ def test_rank_unions_equal_sorted_unions(monkeypatch, window, rows, pairs, group
     n_groups = -(-s_q // rows) if not pairs else -(-s_q * group // pairs)
     step = SortStep(rows, n_groups, min(rows * width, kv_length), KeyPlan.make(2 * n_groups, rows, width, kv_length),
                     pairs, group)
-    got = _numpy(_triton_unions.rank_unions(raw, kv_length, step, padded=padded))
-    assert_unions_equal(got, _numpy(_triton_unions.sorted_unions(raw, kv_length, step)), up_to_count=not padded)
+    got = _numpy(driver.rank_unions(ADAPTER, raw, kv_length, step, padded=padded))
+    assert_unions_equal(got, _numpy(driver.sorted_unions(ADAPTER, raw, kv_length, step)), up_to_count=not padded)
     want = tile_unions(routes, kv_length, rows) if not pairs else flat_unions(routes, kv_length, group, pairs, rows)
     assert_unions_equal(got, want, up_to_count=not padded)
     if rows == 32:
@@ -866,8 +875,8 @@ def test_rank_unions_over_many_route_steps(monkeypatch):
     raw = torch.from_numpy(routes).to(DEVICE)
     n_groups = -(-s_q // rows)
     step = SortStep(rows, n_groups, min(rows * width, kv_length), KeyPlan.make(n_groups, rows, width, kv_length))
-    want = _numpy(_triton_unions.sorted_unions(raw, kv_length, step))
-    assert_unions_equal(_numpy(_triton_unions.rank_unions(raw, kv_length, step)), want, "rank")
+    want = _numpy(driver.sorted_unions(ADAPTER, raw, kv_length, step))
+    assert_unions_equal(_numpy(driver.rank_unions(ADAPTER, raw, kv_length, step)), want, "rank")
     assert_unions_equal(want, tile_unions(routes, kv_length, rows))
 
 
@@ -881,7 +890,7 @@ def test_unpadded_flat_unions_from_poisoned_buffers(monkeypatch):
     routes = _flat_routes(rng, s_q, kv_length)
     plan = make_plan(group, 16, BlockSizes(block_m=pairs, flatten_heads=True))
     assert _recipe(plan, routes, kv_length)[1] is not None, "the tile-then-cut recipe"
-    got = _numpy(_triton_unions.build_unions(torch.from_numpy(routes).to(DEVICE), kv_length, plan, padded=False))
+    got = _numpy(triton_qsa.build_unions(torch.from_numpy(routes).to(DEVICE), kv_length, plan, padded=False))
     assert_unions_equal(got, flat_unions(routes, kv_length, group, pairs, flat_span(pairs, group)), up_to_count=True)
     assert (got[0] == -123456789).any(), "entries past the counts were written"
 
@@ -900,3 +909,44 @@ def test_default_block_sizes_by_capability(capability, tuned):
     enough = DEFAULT_BLOCK_SIZES if capability >= (9, 0) else SAFE_BLOCK_SIZES
     assert default_block_sizes(capability, 256, "bfloat16", TUNED_SHARED_MEMORY) == enough
     assert default_block_sizes(capability, 256, "bfloat16", TUNED_SHARED_MEMORY - 1) == SAFE_BLOCK_SIZES
+
+
+def test_driver_retries_narrower_configurations_that_fit():
+    """``qsa_triton.driver.launch_fitting``: a configuration Triton cannot load for lack of
+    shared memory (OutOfResources) gives way to the next of ``launch.attempts`` (one stage
+    first); the attempt that fit is remembered per adapter, so the failing one is not tried
+    again; other errors, and the last attempt's, propagate."""
+    class OutOfResources(Exception):  # what triton.runtime.errors names it
+        pass
+
+    tried = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Fake:
+        most_stages: int
+        fail_with: type = OutOfResources
+        interpreted = False
+
+        def launch(self, launch, arrays):
+            tried.append((launch.num_stages, dict(launch.params)["BLOCK_K"]))
+            if launch.num_stages > self.most_stages:
+                raise self.fail_with("out of shared memory")
+            return {"O": launch.kernel}
+
+    plan = make_plan(3, 64, dataclasses.replace(SMALL, num_stages=3, block_k=64))
+    q, kv = ((1, 40, 6, 64), (15360, 384, 64, 1)), ((1, 40, 2, 64), (5120, 128, 64, 1))
+
+    def build(attempt):
+        return spec.forward_launch(plan, q, kv, kv, (1, 10, 40), 0.125, "bfloat16", interpreted=False, attempt=attempt)
+
+    assert driver.launch_fitting(Fake(1), build, plan, False, {}) == {"O": "forward"}
+    assert tried == [(3, 64), (1, 64)]
+    tried.clear()
+    driver.launch_fitting(Fake(1), build, plan, False, {})
+    assert tried == [(1, 64)]  # remembered
+    tried.clear()
+    with pytest.raises(OutOfResources):
+        driver.launch_fitting(Fake(0), build, plan, False, {})
+    assert tried[0] == (3, 64) and len(tried) == len(spec.attempts(plan, False))
+    with pytest.raises(ValueError):
+        driver.launch_fitting(Fake(1, ValueError), build, plan, False, {})
