@@ -20,8 +20,8 @@ DTYPES = ("float16", "bfloat16", "float32")
 MIN_CAPABILITY = (8, 0)
 # How to install each runtime a launcher needs (the message of MissingRuntime names it).
 INSTALL = {
-    "triton": "pip install 'triton>=3.6' (in the 'qsa[test]' extra; CUDA builds of torch bring it)",
-    "jax_triton": "pip install 'qsa[cuda12]' (jax-triton 0.3.1 and a CUDA build of jax)",
+    "triton": "pip install 'triton>=3.6' (CUDA builds of torch bring it; also in 'qsa-kernels[test]')",
+    "jax_triton": "pip install 'qsa-kernels[cuda12]' (jax-triton 0.3.1 and a CUDA build of jax)",
 }
 
 

@@ -96,14 +96,14 @@ def test_packages_never_import_across_the_wall(package, forbidden):
 # modules (routes, the neutral packages), never another backend's.
 BACKENDS = {
     "qsa_torch": {
-        "triton": ("triton_qsa", "_triton_launch", "_triton_unions", "_triton_autograd"),
+        "triton": ("triton_qsa", "_triton_launch", "_triton_autograd"),
         "flex": ("flex_qsa",),
         "fa4": ("fa4_qsa",),
         "cudnn": ("cudnn_qsa",),
         "reference": ("reference",),
     },
     "qsa_jax": {
-        "triton": ("triton_qsa", "_triton_call"),
+        "triton": ("triton_qsa", "_triton_call", "_jax_triton_patch"),
         "pallas": ("pallas_qsa", "_pallas_atomics", "_pallas_kernels", "_pallas_tiles"),
         "xla": ("xla_reference",),
     },
