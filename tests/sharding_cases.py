@@ -5,20 +5,26 @@ gradient, the output's and gradients' PartitionSpecs, the relative errors agains
 float64 oracle and against the same jitted call on one device, and the WARNINGs the
 ``"qsa_jax"`` logger gave.
 
-Usage: ``python tests/sharding_cases.py CASE [CASE ...]`` (names in ``CASES``).
+Usage: ``python tests/sharding_cases.py [--gpu] CASE [CASE ...]`` (names in ``CASES``).
+``--gpu``: the GPUs of the host instead of 8 host devices (the meshes shrink to fit:
+data x model = 2 x 4 on 8 GPUs, 1 x 2 on 2; the sequence over up to 4), kernels compiled
+instead of interpreted.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=4", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+GPU = "--gpu" in sys.argv[1:]
+if not GPU:
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=4", "")
+        + " --xla_force_host_platform_device_count=8").strip()
 
 import json  # noqa: E402
 import logging  # noqa: E402
 import re  # noqa: E402
-import sys  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -51,7 +57,7 @@ logging.getLogger("qsa_jax").addHandler(WARNINGS)
 def count_collectives(compiled) -> dict[str, int]:
     """Collective instructions (``-start`` forms of async ones counted once)."""
     text = compiled.as_text()
-    return {name: len(re.findall(rf"= [^=\n]* {name}(?:-start)?\(", text)) for name in COLLECTIVES}
+    return {name: len(re.findall(rf"^\s*(?:ROOT )?%\S+ = .* {name}(?:-start)?\(", text, re.M)) for name in COLLECTIVES}
 
 
 def spec(x) -> list:
@@ -68,7 +74,7 @@ def run(mesh, specs, problem, heads, head_dim, impl, scale=None):
     routes = problem.routes.astype(np.int32)
     q, k, v, do = random_inputs(rng, routes, problem.kv_length, heads, head_dim, "float32")
     scale = head_dim ** -0.5 if scale is None else scale
-    kw = dict(implementation=impl, interpret=True) if impl == "pallas" else dict(implementation=impl)
+    kw = dict(implementation=impl, interpret=True) if impl == "pallas" and not GPU else dict(implementation=impl)
 
     def forward(q, k, v, r):
         return qsa_jax.sparse_gqa_attention(q, k, v, r, scale, **kw)
@@ -83,7 +89,7 @@ def run(mesh, specs, problem, heads, head_dim, impl, scale=None):
     placed = [jax.device_put(x.astype(np.float32) if x.dtype.kind == "f" else x, NamedSharding(mesh, s))
               for x, s in zip(host, (q_spec, kv_spec, kv_spec, r_spec, q_spec))]
     out, grads = fwd(*placed[:4]), grad(*placed)
-    one = jax.devices()[0]
+    one = _devices()[0]
     single = [jax.device_put(x.astype(np.float32) if x.dtype.kind == "f" else x, one) for x in host]
     out1, grads1 = fwd(*single[:4]), grad(*single)
     want = oracle_forward_backward(q, k, v, routes, scale, do)
@@ -99,8 +105,18 @@ def run(mesh, specs, problem, heads, head_dim, impl, scale=None):
     }
 
 
+def _devices():
+    return jax.devices("gpu") if GPU else jax.devices("cpu")
+
+
 def _mesh(shape, names):
-    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
+    return Mesh(np.array(_devices()[: int(np.prod(shape))]).reshape(shape), names)
+
+
+def _probe_mesh():
+    n = len(_devices())
+    model = 4 if n >= 8 else 2
+    return _mesh((min(2, n // model), model), ("data", "model"))
 
 
 def probe(impl, heads=(8, 4), kv_heads_axis="model"):
@@ -109,15 +125,19 @@ def probe(impl, heads=(8, 4), kv_heads_axis="model"):
     problem = make_problem("padded", "qsa", seed=int(np.random.default_rng().integers(2**31)), seq_len=256,
                            batch=4, top_k=4, width=24)
     q_spec, kv_spec = P("data", None, "model", None), P("data", None, kv_heads_axis, None)
-    return run(_mesh((2, 4), ("data", "model")), (q_spec, kv_spec, P("data", None, None)), problem, heads, 64, impl)
+    return run(_probe_mesh(), (q_spec, kv_spec, P("data", None, None)), problem, heads, 64, impl)
 
 
 def sequence(impl):
-    """Context parallel: the sequence of query/key/value/routes over 4 devices."""
+    """Context parallel: the sequence of query/key/value/routes over 4 devices (and the
+    batch over 2 where 8 are present)."""
     problem = make_problem("padded", "qsa", seed=int(np.random.default_rng().integers(2**31)), seq_len=256,
                            batch=2, top_k=4, width=24)
-    qkv = P(None, "seq", None, None)
-    return run(_mesh((4,), ("seq",)), (qkv, qkv, P(None, "seq", None)), problem, (4, 2), 32, impl)
+    n = len(_devices())
+    seq = min(4, n)
+    mesh = _mesh((min(2, n // seq), seq), ("data", "seq"))
+    qkv = P("data", "seq", None, None)
+    return run(mesh, (qkv, qkv, P("data", "seq", None)), problem, (4, 2), 32, impl)
 
 
 def flax_port():
@@ -155,35 +175,40 @@ def flax_port():
                 jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param))}
         return float(value), flat
 
-    sharded = build("model")
-    state = nnx.state(sharded)
-    nnx.update(sharded, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+    with jax.set_mesh(mesh):  # flax creates annotated variables sharded on the mesh in context
+        sharded = build("model")
     data = NamedSharding(mesh, P("data"))
     args = [jax.device_put(a, data) for a in (x, freqs, dy)]
-    lowered = nnx.jit(lambda layer, x, f, dy: loss_and_grads(layer, x, f, dy))
     graphdef, state = nnx.split(sharded)
     compiled = jax.jit(lambda s, *a: loss_and_grads(nnx.merge(graphdef, s), *a)).lower(state, *args).compile()
-    del lowered
     value, grads = results(sharded, args)
     single_value, single_grads = results(build(None), [jnp.asarray(a) for a in (x, freqs, dy)])
     kernel_specs = {name: spec(getattr(sharded, name).kernel[...]) for name in ("q_proj", "k_proj", "o_proj")}
+    if os.environ.get("QSA_DUMP"):
+        print("\n".join(l for l in compiled.as_text().splitlines() if re.search("all-gather|all-reduce", l)))
     return {
         "grad_collectives": count_collectives(compiled),
-        "compiled_text_has_full_attention": _full_attention_shapes(compiled.as_text(), bsz, seq, cfg),
+        "global_attention_shapes": _full_attention_shapes(compiled.as_text(), bsz, seq, cfg),
+        "has_local_query_shape": f"f32[{bsz // 2},{seq},{cfg.num_attention_heads // 2},{cfg.head_dim}]"
+                                 in compiled.as_text(),
         "kernel_specs": kernel_specs,
         "error_value": abs(value - single_value) / abs(single_value),
         "error_grads": {k: relative_error(grads[k], single_grads[k]) for k in single_grads},
     }
 
 
-def _full_attention_shapes(text, bsz, seq, cfg) -> bool:
-    """Whether any instruction holds the global query ``[B, S, Hq, D]`` (a replicated attention)."""
-    return f"f32[{bsz},{seq},{cfg.num_attention_heads},{cfg.head_dim}]" in text
+def _full_attention_shapes(text, bsz, seq, cfg) -> list[str]:
+    """The global query/key shapes ``[B, S, H, D]`` that some instruction holds (a
+    replicated attention would); the local ones are ``[B/2, S, H/2, D]``."""
+    shapes = [f"f32[{bsz},{seq},{h},{cfg.head_dim}]" for h in (cfg.num_attention_heads, cfg.num_key_value_heads)]
+    return [s for s in shapes if s in text]
 
 
 CASES = {
     "probe_xla": lambda: probe("xla"),
     "probe_pallas": lambda: probe("pallas"),
+    "probe_triton": lambda: probe("triton"),
+    "sequence_triton": lambda: sequence("triton"),
     "sequence_xla": lambda: sequence("xla"),
     "sequence_pallas": lambda: sequence("pallas"),
     "heads_not_divisible_xla": lambda: probe("xla", heads=(8, 2), kv_heads_axis=None),
@@ -202,4 +227,4 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(CASES))
+    main([a for a in sys.argv[1:] if a != "--gpu"] or [c for c in CASES if "triton" not in c])
