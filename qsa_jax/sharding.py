@@ -59,14 +59,14 @@ _LOGGED: set[str] = set()
 
 def wants_partitioning(*arrays) -> bool:
     """Whether the call goes through the partitioned wrapper: more than one device
-    visible, and not every input a concrete array on a single device."""
+    visible, and some input a tracer (``jax.jit``, ``jax.grad``...) or a concrete array
+    spread over several devices."""
     if jax.device_count() < 2:
         return False
     for x in arrays:
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-            if len(x.sharding.device_set) > 1:
-                return True
-        else:
+        if isinstance(x, jax.core.Tracer):
+            return True
+        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
             return True
     return False
 
@@ -116,8 +116,13 @@ def _plan(mesh, shapes, shardings) -> Plan:
     (bsz, s_q, hq, _), (_, s_kv, hkv, _) = shapes[0], shapes[1]
     q, k, v, r = (_spec_axes(sh, len(shape)) for sh, shape in zip(shardings, shapes))
     gathered = []
-    batch = q[0] if q[0] and bsz % _size(mesh, q[0]) == 0 else ()
-    seq = q[1] if q[1] and s_q % _size(mesh, q[1]) == 0 else ()
+    batch, seq = q[0], q[1]
+    if batch and bsz % _size(mesh, batch):
+        gathered.append(f"batch: B = {bsz} over {batch} (size {_size(mesh, batch)})")
+        batch = ()
+    if seq and s_q % _size(mesh, seq):
+        gathered.append(f"query sequence: S_q = {s_q} over {seq} (size {_size(mesh, seq)})")
+        seq = ()
     heads = q[2]
     if heads:
         if hkv % _size(mesh, heads):
@@ -229,19 +234,47 @@ _backward.def_partition(partition=_bwd_partition, infer_sharding_from_operands=_
                         sharding_rule=_BWD_RULE)
 
 
+# ------------------------------------------------------------------ vmap
+def _fold(x, batched: bool, axis_size: int):
+    """A vmapped operand with its mapped axis folded into the batch axis."""
+    if not batched:
+        x = jax.numpy.broadcast_to(x[None], (axis_size, *x.shape))
+    return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+
+def _batchable(call, *statics):
+    """``call(*statics, *arrays)`` under ``jax.vmap``: the mapped axis is folded into the
+    batch axis (B of every operand), as batch elements never interact; ``custom_partitioning``
+    has no batching rule of its own."""
+
+    @jax.custom_batching.custom_vmap
+    def run(*arrays):
+        return call(*statics, *arrays)
+
+    @run.def_vmap
+    def _rule(axis_size, in_batched, *arrays):
+        out = run(*(_fold(x, b, axis_size) for x, b in zip(arrays, in_batched)))
+        unfold = lambda y: y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:])  # noqa: E731
+        out = jax.tree.map(unfold, out)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return run
+
+
 # ------------------------------------------------------------------ custom_vjp
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _attention(impl, scale, options, query, key, value, routes):
-    return _forward(impl, scale, options, query, key, value, routes)
+    return _batchable(_forward, impl, scale, options)(query, key, value, routes)
 
 
 def _attention_fwd(impl, scale, options, query, key, value, routes):
-    return _forward(impl, scale, options, query, key, value, routes), (query, key, value, routes)
+    out = _batchable(_forward, impl, scale, options)(query, key, value, routes)
+    return out, (query, key, value, routes)
 
 
 def _attention_bwd(impl, scale, options, residuals, grad):
     query, key, value, routes = residuals
-    dq, dk, dv = _backward(impl, scale, options, query, key, value, routes, grad)
+    dq, dk, dv = _batchable(_backward, impl, scale, options)(query, key, value, routes, grad)
     return dq, dk, dv, None
 
 
