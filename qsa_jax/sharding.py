@@ -113,7 +113,7 @@ def _size(mesh, axes) -> int:
 def _plan(mesh, shapes, shardings) -> Plan:
     """The layout for operands of ``shapes`` (query, key, value, routes) arriving with
     ``shardings``; logs once what it has to gather."""
-    (bsz, s_q, hq, _), (_, s_kv, hkv, _) = shapes[0], shapes[1]
+    (bsz, s_q, _, _), (_, s_kv, hkv, _) = shapes[0], shapes[1]
     q, k, v, r = (_spec_axes(sh, len(shape)) for sh, shape in zip(shardings, shapes))
     gathered = []
     batch, seq = q[0], q[1]
@@ -201,7 +201,7 @@ _forward.def_partition(partition=_fwd_partition, infer_sharding_from_operands=_f
 
 # ------------------------------------------------------------------ backward
 def _local_vjp(impl, scale, options, query, key, value, routes, grad):
-    fn = lambda q, k, v: impl(q, k, v, routes, scale, **dict(options))  # noqa: E731
+    fn = lambda q, k, v: impl(q, k, v, routes, scale, **dict(options))
     return jax.vjp(fn, query, key, value)[1](grad)
 
 
@@ -254,7 +254,7 @@ def _batchable(call, *statics):
     @run.def_vmap
     def _rule(axis_size, in_batched, *arrays):
         out = run(*(_fold(x, b, axis_size) for x, b in zip(arrays, in_batched)))
-        unfold = lambda y: y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:])  # noqa: E731
+        unfold = lambda y: y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:])
         out = jax.tree.map(unfold, out)
         return out, jax.tree.map(lambda _: True, out)
 

@@ -22,21 +22,22 @@ if not GPU:
         os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=4", "")
         + " --xla_force_host_platform_device_count=8").strip()
 
-import json  # noqa: E402
-import logging  # noqa: E402
-import re  # noqa: E402
+import json
+import logging
+import re
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import qsa_jax  # noqa: E402
-from contract_base import random_inputs  # noqa: E402
-from qsa_common.layouts import make_problem  # noqa: E402
-from qsa_common.oracle import oracle_forward_backward, relative_error  # noqa: E402
+from contract_base import random_inputs
+
+import qsa_jax
+from qsa_common.layouts import make_problem
+from qsa_common.oracle import oracle_forward_backward, relative_error
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -57,7 +58,7 @@ logging.getLogger("qsa_jax").addHandler(WARNINGS)
 def count_collectives(compiled) -> dict[str, int]:
     """Collective instructions (``-start`` forms of async ones counted once)."""
     text = compiled.as_text()
-    return {name: len(re.findall(rf"^\s*(?:ROOT )?%\S+ = .* {name}(?:-start)?\(", text, re.M)) for name in COLLECTIVES}
+    return {name: len(re.findall(rf"^\s*(?:ROOT )?%\S+ = .* {name}(?:-start)?\(", text, re.MULTILINE)) for name in COLLECTIVES}
 
 
 def spec(x) -> list:
@@ -74,7 +75,7 @@ def run(mesh, specs, problem, heads, head_dim, impl, scale=None):
     routes = problem.routes.astype(np.int32)
     q, k, v, do = random_inputs(rng, routes, problem.kv_length, heads, head_dim, "float32")
     scale = head_dim ** -0.5 if scale is None else scale
-    kw = dict(implementation=impl, interpret=True) if impl == "pallas" and not GPU else dict(implementation=impl)
+    kw = {"implementation": impl, **({"interpret": True} if impl == "pallas" and not GPU else {})}
 
     def forward(q, k, v, r):
         return qsa_jax.sparse_gqa_attention(q, k, v, r, scale, **kw)

@@ -28,7 +28,7 @@ NONE = {"all-gather": 0, "all-reduce": 0, "reduce-scatter": 0, "all-to-all": 0, 
 def _run_cases(*args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, os.path.join(HERE, "sharding_cases.py"), *args], env=env,
-                          capture_output=True, text=True, timeout=1200)
+                          capture_output=True, text=True, timeout=1200, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULTS "))
     return json.loads(line[len("RESULTS "):])
