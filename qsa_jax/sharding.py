@@ -134,6 +134,11 @@ def _plan(mesh, shapes, shardings) -> Plan:
             heads = ()
     elif k[2] or v[2]:
         gathered.append(f"heads: key/value heads over {k[2]}/{v[2]} while the query's heads are not split")
+    for name, axes in (("key", k[0]), ("value", v[0]), ("routes", r[0])):
+        if axes and axes != batch:
+            gathered.append(f"{name} batch over {axes} (query batch over {batch or 'none'})")
+    if r[1] and r[1] != seq:
+        gathered.append(f"routes' rows over {r[1]} (query sequence over {seq or 'none'})")
     kv_seq = bool(seq) and s_kv % _size(mesh, seq) == 0
     for name, dims in (("key", k), ("value", v)):
         if dims[1] and not (kv_seq and dims[1] == seq):

@@ -159,12 +159,14 @@ def test_plan_keeps_batch_heads_and_sequence(warnings_seen):
     ([(), (None, "s"), (None, "s"), ()], "key sequence over"),
     ([(None, None, None, "m"), (), (), ()], "query head dim over"),
     ([(), (), (), (None, None, "m")], "routes' K dim"),
+    ([("d",), ("m",), ("m",), ("d",)], "key batch over"),
+    ([(None, "s"), (), (), (None, "d")], "routes' rows over"),
 ])
 def test_plan_gathers_what_it_cannot_keep_and_says_so_once(warnings_seen, specs, says):
     mesh = {"d": 2, "m": 4, "s": 2}
     for _ in range(2):
         plan = _plan(mesh, [QSHAPE, KVSHAPE, KVSHAPE, RSHAPE], specs)
-    assert plan.heads == () and not plan.kv_seq
+    assert plan.heads == ()
     warned = [r.getMessage() for r in warnings_seen.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and says in warned[0], warned
 
