@@ -55,10 +55,12 @@ WARNINGS = _Warnings()
 logging.getLogger("qsa_jax").addHandler(WARNINGS)
 
 
-def count_collectives(compiled) -> dict[str, int]:
-    """Collective instructions (``-start`` forms of async ones counted once)."""
-    text = compiled.as_text()
-    return {name: len(re.findall(rf"^\s*(?:ROOT )?%\S+ = .* {name}(?:-start)?\(", text, re.MULTILINE)) for name in COLLECTIVES}
+def count_collectives(compiled, source: str = "") -> dict[str, int]:
+    """Collective instructions (``-start`` forms of async ones counted once); with
+    ``source``, only those whose ``op_name`` metadata contains it."""
+    lines = compiled.as_text().splitlines()
+    return {name: sum(1 for line in lines if re.match(rf"\s*(?:ROOT )?%\S+ = .* {name}(?:-start)?\(", line)
+                      and source in line) for name in COLLECTIVES}
 
 
 def spec(x) -> list:
@@ -141,15 +143,16 @@ def sequence(impl):
     return run(mesh, (qkv, qkv, P("data", "seq", None)), problem, (4, 2), 32, impl)
 
 
-def flax_port():
-    """``QSAAttention`` under ``nnx.jit``: weights split over heads, activations over the batch."""
+def flax_port(seq_split: int = 1):
+    """``QSAAttention`` under ``nnx.jit``: weights split over heads, activations over the
+    batch (and over the sequence in ``seq_split`` parts)."""
     from flax import nnx
 
     from qsa_jax.qwen3_8_flash_next import QSAAttention, QSAConfig, rotary_freqs
 
     cfg = QSAConfig(dtype="float32", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     indexer_n_heads=2, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4)
-    mesh = _mesh((2, 2), ("data", "model"))
+    mesh = _mesh((2, 2, seq_split), ("data", "model", "seq"))
     rng = np.random.default_rng()
     bsz, seq = 4, 64
     x = rng.standard_normal((bsz, seq, cfg.hidden_size)).astype(np.float32)
@@ -178,7 +181,7 @@ def flax_port():
 
     with jax.set_mesh(mesh):  # flax creates annotated variables sharded on the mesh in context
         sharded = build("model")
-    data = NamedSharding(mesh, P("data"))
+    data = NamedSharding(mesh, P("data", "seq" if seq_split > 1 else None))
     args = [jax.device_put(a, data) for a in (x, freqs, dy)]
     graphdef, state = nnx.split(sharded)
     compiled = jax.jit(lambda s, *a: loss_and_grads(nnx.merge(graphdef, s), *a)).lower(state, *args).compile()
@@ -189,8 +192,9 @@ def flax_port():
         print("\n".join(l for l in compiled.as_text().splitlines() if re.search("all-gather|all-reduce", l)))
     return {
         "grad_collectives": count_collectives(compiled),
+        "attention_collectives": count_collectives(compiled, "custom_partitioning"),
         "global_attention_shapes": _full_attention_shapes(compiled.as_text(), bsz, seq, cfg),
-        "has_local_query_shape": f"f32[{bsz // 2},{seq},{cfg.num_attention_heads // 2},{cfg.head_dim}]"
+        "has_local_query_shape": f"f32[{bsz // 2},{seq // seq_split},{cfg.num_attention_heads // 2},{cfg.head_dim}]"
                                  in compiled.as_text(),
         "kernel_specs": kernel_specs,
         "error_value": abs(value - single_value) / abs(single_value),
@@ -214,6 +218,7 @@ CASES = {
     "sequence_pallas": lambda: sequence("pallas"),
     "heads_not_divisible_xla": lambda: probe("xla", heads=(8, 2), kv_heads_axis=None),
     "flax_port": flax_port,
+    "flax_port_sequence": lambda: flax_port(seq_split=2),
 }
 
 

@@ -87,13 +87,21 @@ def test_heads_not_splitting_kv_heads_gather_them_with_one_warning(cases):
     _assert_close(result)
 
 
-def test_flax_port_under_nnx_jit_partitions_attention(cases):
-    result = cases["flax_port"]
+@pytest.mark.parametrize("case", ["flax_port", "flax_port_sequence"])
+def test_flax_port_under_nnx_jit_partitions_attention(cases, case):
+    result = cases[case]
     assert result["kernel_specs"] == {"q_proj": [None, "model"], "k_proj": [None, "model"], "o_proj": ["model"]}
     assert result["global_attention_shapes"] == []  # no device holds all heads of the whole batch
     assert result["has_local_query_shape"]
-    # tensor parallelism's all-reduces (o_proj's partial sums, the weights' gradients) only
-    assert result["grad_collectives"]["all-to-all"] == result["grad_collectives"]["collective-permute"] == 0
+    attention = result["attention_collectives"]
+    if case == "flax_port":  # batch and heads: the attention itself communicates nothing
+        assert attention == NONE, attention
+        # the rest: tensor parallelism's all-reduces (o_proj's partial sums, the weights'
+        # gradients) and the indexer's top-k
+        assert result["grad_collectives"]["all-to-all"] == result["grad_collectives"]["collective-permute"] == 0
+    else:  # and the sequence: K/V gathered (forward, and again in the backward), dK/dV reduce-scattered
+        assert attention["all-gather"] == 4 and attention["reduce-scatter"] + attention["all-reduce"] == 2, attention
+        assert attention["all-to-all"] == attention["collective-permute"] == 0, attention
     assert result["warnings"] == []
     assert result["error_value"] < TOLERANCE
     for name, err in result["error_grads"].items():
