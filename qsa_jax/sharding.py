@@ -22,7 +22,7 @@ device computes on:
 
 Where a sharding cannot be kept (heads sharded over axes whose size does not divide
 Hkv, query and K/V heads sharded over different axes, K/V sharded along the sequence
-while the query is not, a sharded head dim), the layout the partitioner would have to
+while the query is not, a sharded head dim; the full list is in docs/sharding.md), the layout the partitioner would have to
 gather is taken instead: those dims are gathered (replicated) and the ``"qsa_jax"``
 logger says so once per layout at WARNING. This is what ``jax.jit`` does with any
 operation it cannot partition, made visible; it never raises.
@@ -33,8 +33,11 @@ implementation's own ``custom_vjp``. For that reason the wrapper is used only wh
 process sees more than one device and the inputs are not concrete single-device
 arrays: with one device nothing can be partitioned.
 
-The routes never get a gradient. Works with the Shardy partitioner (the default from
-jax 0.7; ``sharding_rule``) and with GSPMD (``infer_sharding_from_operands``).
+Under the wrapper ``jax.vmap`` folds the mapped axis into the batch (``custom_partitioning``
+has no batching rule), and there is no forward-mode derivative (``jax.jvp``): the call is
+a ``custom_vjp``. The routes never get a gradient. Works with the Shardy partitioner (the
+default of jax 0.10 and 0.11; ``sharding_rule``) and with GSPMD
+(``infer_sharding_from_operands``).
 """
 
 from __future__ import annotations
@@ -59,9 +62,9 @@ _LOGGED: set[str] = set()
 
 def wants_partitioning(*arrays) -> bool:
     """Whether the call goes through the partitioned wrapper: more than one device
-    visible, and some input a tracer (``jax.jit``, ``jax.grad``...) or a concrete array
+    visible (of the default backend, or host devices), and some input a tracer (``jax.jit``, ``jax.grad``...) or a concrete array
     spread over several devices."""
-    if jax.device_count() < 2:
+    if jax.device_count() < 2 and len(jax.devices("cpu")) < 2:  # host devices: a CPU mesh beside one GPU
         return False
     for x in arrays:
         if isinstance(x, jax.core.Tracer):
