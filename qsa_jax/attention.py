@@ -41,6 +41,7 @@ from typing import Any
 from qsa_common.log_once import log_once
 
 from .routes import on_gpu, prepare_routes, validate_inputs
+from .sharding import partitioned
 from .xla_reference import reference_sparse_gqa_attention
 
 __all__ = ["sparse_gqa_attention", "IMPLEMENTATIONS", "GPU_DEFAULT", "DETERMINISTIC_XLA_FLAGS",
@@ -172,8 +173,8 @@ def sparse_gqa_attention(
     reasons, missing = [], []
     for position, name in enumerate(names):
         try:
-            return IMPLEMENTATIONS[name](
-                query, key, value, routes, checked.scale,
+            return partitioned(  # the call, partitioned by the inputs' shardings (qsa_jax.sharding)
+                IMPLEMENTATIONS[name], query, key, value, routes, checked.scale,
                 block_sizes=block_sizes, interpret=interpret, deterministic=deterministic,
             )
         except (NotImplementedError, ImportError) as err:

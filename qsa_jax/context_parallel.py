@@ -11,6 +11,10 @@ dK/dV of its own slice, summed over all devices' queries.
 * :func:`sparse_gqa_attention_shard`: the per-device body, for use inside a
   ``shard_map`` of your own.
 
+Under plain ``jax.jit``, :func:`qsa_jax.sparse_gqa_attention` given inputs sharded along
+the sequence partitions itself into the same algorithm (:mod:`qsa_jax.sharding`); this
+module is the explicit form, for code that already maps over its mesh.
+
 Inside the map the arrays are tracers, which do not say where they live, and
 :func:`qsa_jax.sparse_gqa_attention` picks its implementation for the platform of
 ``jax.default_device`` (else the default backend): while the map is traced, the

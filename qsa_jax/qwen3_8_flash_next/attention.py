@@ -68,10 +68,17 @@ class QSAAttention(nnx.Module):
         rngs: initialisers' keys (projections ~ N(0, initializer_range), norms 0).
         dtype: parameter and compute dtype (default ``config.dtype``).
         implementation: passed to :func:`qsa_jax.sparse_gqa_attention`.
+        head_axis: a mesh axis name to annotate the projections for tensor parallelism
+            (``nnx.with_partitioning``): the output columns of ``q_proj``, ``k_proj`` and
+            ``v_proj`` and the input rows of ``o_proj`` are split over it, whole heads
+            per device (the axis size must divide Hkv, so query heads go with their KV
+            heads). ``nnx.get_named_sharding(nnx.state(layer), mesh)`` then gives the
+            weights' shardings; under ``nnx.jit`` the attention runs on each device's
+            heads (docs/sharding.md). None (the default): no annotation.
     """
 
     def __init__(self, config: QSAConfig, *, rngs: nnx.Rngs, dtype=None,
-                 implementation: str | Sequence[str] | None = None):
+                 implementation: str | Sequence[str] | None = None, head_axis: str | None = None):
         if not isinstance(config, QSAConfig):
             raise TypeError(f"config must be a QSAConfig, got {type(config).__name__}")
         self.config = config
@@ -82,14 +89,17 @@ class QSAAttention(nnx.Module):
         m, hq, hkv, d = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                          config.head_dim)
 
-        def linear(n_in, n_out):
+        def linear(n_in, n_out, split=None):
+            init = nnx.initializers.normal(config.initializer_range)
+            if head_axis is not None:  # [in, out] kernels: split the head-major dim
+                init = nnx.with_partitioning(init, (None, head_axis) if split == "out" else (head_axis, None))
             return nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype, param_dtype=dtype,
-                              kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+                              kernel_init=init, rngs=rngs)
 
-        self.q_proj = linear(m, 2 * hq * d)
-        self.k_proj = linear(m, hkv * d)
-        self.v_proj = linear(m, hkv * d)
-        self.o_proj = linear(hq * d, m)
+        self.q_proj = linear(m, 2 * hq * d, "out")
+        self.k_proj = linear(m, hkv * d, "out")
+        self.v_proj = linear(m, hkv * d, "out")
+        self.o_proj = linear(hq * d, m, "in")
         self.q_norm = nnx.Param(jnp.zeros(d, jnp.float32))
         self.k_norm = nnx.Param(jnp.zeros(d, jnp.float32))
         self.indexer = QSAIndexer(config, rngs=rngs, dtype=dtype)
