@@ -78,11 +78,14 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+for path in (ROOT, HERE):  # the repository; HERE for layer_timing also when this file is loaded by path
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
 import torch  # noqa: E402
+from layer_timing import Spans, new_event, synchronize, timed_dispatch, timed_function  # noqa: E402
 
 UPSTREAM = "nemo_automodel.components.models.qwen3_8_flash_next"
 # qsa_torch first: the measurement that matters most runs even if the budget runs out
@@ -98,89 +101,6 @@ SMALL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head
 
 def log(*args) -> None:
     print(f"[{time.time() - START:6.1f}s]", *args, flush=True)
-
-
-class HostEvent:
-    """CPU stand-in for ``torch.cuda.Event`` (dry runs)."""
-
-    def record(self) -> None:
-        self.t = time.perf_counter()
-
-    def elapsed_time(self, end: HostEvent) -> float:
-        return (end.t - self.t) * 1e3
-
-
-def new_event(device: torch.device):
-    return torch.cuda.Event(enable_timing=True) if device.type == "cuda" else HostEvent()
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _GradEvent(torch.autograd.Function):
-    """Identity on ``tensors`` whose backward records ``event`` once all their gradients exist."""
-
-    @staticmethod
-    def forward(ctx, event, *tensors):
-        ctx.event = event
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.event.record()
-        return (None, *grads)
-
-
-class Spans:
-    """Event pairs of one instrumented step, by name; inactive outside instrumented steps."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.active, self.pairs, self.routes, self.call = device, False, {}, None, None
-
-    def open(self, name: str):
-        start, end = new_event(self.device), new_event(self.device)
-        self.pairs.setdefault(name, []).append((start, end))
-        return start, end
-
-    def durations(self) -> dict[str, float]:
-        return {name: sum(s.elapsed_time(e) for s, e in pairs) for name, pairs in self.pairs.items()}
-
-
-def timed_dispatch(dispatch, spans: Spans):
-    """``dispatch`` (upstream's signature) with attention forward/backward events."""
-
-    def qsa_gqa_attention(query, key, value, selected_token_ids, *, backend, softmax_scale=None, flex_mask=None):
-        if not spans.active:
-            return dispatch(query, key, value, selected_token_ids, backend=backend, softmax_scale=softmax_scale,
-                            flex_mask=flex_mask)
-        fwd_start, fwd_end = spans.open("attn_fwd")
-        bwd_start, bwd_end = spans.open("attn_bwd")
-        query, key, value = _GradEvent.apply(bwd_end, query, key, value)
-        fwd_start.record()
-        out = dispatch(query, key, value, selected_token_ids, backend=backend, softmax_scale=softmax_scale,
-                       flex_mask=flex_mask)
-        fwd_end.record()
-        (out,) = _GradEvent.apply(bwd_start, out)
-        spans.routes = selected_token_ids
-        spans.call = (tuple(query.shape), tuple(key.shape), query.dtype, softmax_scale)
-        return out
-
-    return qsa_gqa_attention
-
-
-def timed_function(fn, spans: Spans, name: str):
-    def wrapper(*args, **kwargs):
-        if not spans.active:
-            return fn(*args, **kwargs)
-        start, end = spans.open(name)
-        start.record()
-        result = fn(*args, **kwargs)
-        end.record()
-        return result
-
-    return wrapper
 
 
 @dataclasses.dataclass
@@ -588,7 +508,8 @@ def main(argv=None) -> int:
     write(report, args.out)
     print(markdown(report), flush=True)
     failed = [r for r in report["results"]
-              if "kernel_alone_error" in r or ("error" in r and not r["error"].startswith("unavailable"))]
+              if "kernel_alone_error" in r or "error" in (r.get("route_stats") or {})
+              or ("error" in r and not r["error"].startswith("unavailable"))]
     return 1 if failed else 0
 
 
@@ -625,21 +546,25 @@ def summarize(setup: Setup, args, report: dict, entries: list[dict], captured: d
     """Route statistics (of the qsa_torch run's routes, else another's) on every entry of one
     (S, rho), and a note: backends, step ratios, attention against the kernel alone."""
     source = "qsa_torch" if "qsa_torch" in captured else next(iter(captured), None)
-    stats = None if source is None else dict(route_statistics(captured[source]["routes"], setup.config),
-                                             variant=source)
+    try:
+        stats = None if source is None else dict(route_statistics(captured[source]["routes"], setup.config),
+                                                 variant=source)
+    except Exception as err:
+        stats = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        log(traceback.format_exc())
     for entry in entries:
         entry.update(route_stats=stats, jaccard=(stats or {}).get("jaccard"), inflation=(stats or {}).get("inflation"))
     steps = {e["variant"]: e["step_ms"] for e in entries if "step_ms" in e}
     ours = next((e for e in entries if e["variant"] == "qsa_torch" and "step_ms" in e), None)
-    if not ours or stats is None:
+    if not ours or stats is None or "error" in stats:
         return
     ran = ran_backends(ours["qsa_torch_log"])
     b = ours["breakdown_ms"]
     note = (f"S={ours['seq_len']} rho={ours['hidden_rho']:g}: use_qsa_torch(backend={args.qsa_backend!r}) ran "
             f"{', '.join(ran) or 'no logged backend (see qsa_torch_log)'}; routes J {fmt(stats['jaccard'])} "
-            f"(all rows {fmt(stats['jaccard_all'])}), inflation {fmt(stats['inflation'])}; step "
-            + ", ".join(f"{steps[v] / ours['step_ms']:.2f}x faster than {v}" for v in steps if v != "qsa_torch")
-            + f"; indexer {b.get('indexer', 0):.2f} ms = {100 * b.get('indexer', 0) / b['step']:.0f}% of the "
+            f"(all rows {fmt(stats['jaccard_all'])}), inflation {fmt(stats['inflation'])}; "
+            + "".join(f"step {steps[v] / ours['step_ms']:.2f}x faster than {v}; " for v in steps if v != "qsa_torch")
+            + f"indexer {b.get('indexer', 0):.2f} ms = {100 * b.get('indexer', 0) / b['step']:.0f}% of the "
             f"instrumented step ({b['step']:.2f} ms), attention {b['attn']:.2f} ms "
             f"= {100 * b['attn'] / b['step']:.0f}%")
     if "kernel_alone" in ours:
@@ -665,6 +590,7 @@ def run_all(setup: Setup, args, report: dict, started: float) -> None:
                 write_json(report, args.out)  # kept if the run is cut short
             compare(entries, captured)
             summarize(setup, args, report, entries, captured)
+            write_json(report, args.out)
             del captured, inputs
             if setup.device.type == "cuda":
                 torch.cuda.empty_cache()
