@@ -69,6 +69,7 @@ def test_dry_run_reports_route_statistics_per_rho(bench, tmp_path):
             assert r["routes_identical"] and max(r["agreement"].values()) < 1e-5, r["agreement"]
             kernel = r["kernel_alone"]
             assert kernel["fwd_ms"] > 0 and kernel["fwdbwd_ms"] > 0 and "'reference'" in kernel["ran"]
+            assert len(kernel["layer_qkv_contiguous"]) == 3
             assert r["attn_vs_kernel"] == pytest.approx(r["breakdown_ms"]["attn"] / kernel["fwdbwd_ms"])
     assert all(len(v) == 1 for v in stats.values())  # one route set per (S, rho)
     (j0, inf0), (j99, inf99) = stats[0.0].pop(), stats[0.99].pop()

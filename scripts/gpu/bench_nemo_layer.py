@@ -54,10 +54,11 @@ adjacent-row Jaccard past the identity region (rows ``4 * budget / ratio + 3`` o
 ``python -m parity.bench`` reports it; ``jaccard_all``: all rows), and ``inflation``, the
 union inflation of programs of 128 (row, head) pairs at G = Hq / Hkv. ``kernel_alone``:
 ``qsa_torch.sparse_gqa_attention`` (``--qsa-backend``, ``route_format="qsa"``) alone on
-those routes with random q/k/v/grad of the layer's attention shapes and dtype, forward
-and forward+backward medians of ``--kernel-iters`` CUDA-event timings, the L2 flushed
-before each (as ``python -m parity.bench``); ``attn_vs_kernel`` = the layer's ``attn`` /
-that forward+backward.
+those routes with random contiguous q/k/v/grad of the layer's attention shapes and dtype
+(``layer_qkv_contiguous``: whether the layer's were), forward and forward+backward
+medians of ``--kernel-iters`` CUDA-event timings, the L2 flushed before each (as
+``python -m parity.bench``); ``attn_vs_kernel`` = the layer's ``attn`` / that
+forward+backward.
 
 Writes ``bench_nemo_layer.json`` and ``bench_nemo_layer.md`` under ``--out`` and prints
 the table and, per S and rho, the route statistics and step ratios last.
@@ -192,7 +193,7 @@ def kernel_alone(setup: Setup, captured: dict, args) -> dict:
     from qsa_torch import sparse_gqa_attention
 
     device, routes = setup.device, captured["routes"]
-    q_shape, kv_shape, dtype, scale = captured["call"]
+    q_shape, kv_shape, dtype, scale, contiguous = captured["call"]
     gen = torch.Generator(device=device).manual_seed(args.seed)
     q, k, v, do = (torch.randn(shape, device=device, dtype=dtype, generator=gen)
                    for shape in (q_shape, kv_shape, kv_shape, q_shape))
@@ -202,7 +203,7 @@ def kernel_alone(setup: Setup, captured: dict, args) -> dict:
     def forward():
         return sparse_gqa_attention(*leaves, routes, scale, backend=args.qsa_backend, route_format="qsa")
 
-    result: dict = {"backend": args.qsa_backend, "iters": args.kernel_iters}
+    result: dict = {"backend": args.qsa_backend, "iters": args.kernel_iters, "layer_qkv_contiguous": contiguous}
     with qsa_messages() as messages:
         for name, fn in (("fwd_ms", forward), ("fwdbwd_ms", lambda: forward().backward(do))):
             times = []

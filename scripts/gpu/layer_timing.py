@@ -82,7 +82,8 @@ def timed_dispatch(dispatch, spans: Spans):
         fwd_end.record()
         (out,) = _GradEvent.apply(bwd_start, out)
         spans.routes = selected_token_ids
-        spans.call = (tuple(query.shape), tuple(key.shape), query.dtype, softmax_scale)
+        spans.call = (tuple(query.shape), tuple(key.shape), query.dtype, softmax_scale,
+                      [t.is_contiguous() for t in (query, key, value)])
         return out
 
     return qsa_gqa_attention
