@@ -1,19 +1,24 @@
 """One training step of nemo-automodel's Qwen3.8-Flash-Next QSA layer on the H200, three ways.
 
-    python3 scripts/gpu/bench_nemo_layer.py --out DIR [--seq-lens 8192 32768] [--iters 5]
-        [--warmup 2] [--time-budget 250] [--variants flex cute qsa_torch] [--qsa-backend auto]
-        [--cute-preprocess compiled] [--stack-dump-s 0]
+    python3 scripts/gpu/bench_nemo_layer.py --out DIR [--seq-lens 8192 32768] [--hidden-rho 0 0.9 0.99]
+        [--iters 5] [--warmup 2] [--kernel-iters 10] [--time-budget 250] [--variants flex cute qsa_torch]
+        [--qsa-backend auto] [--cute-preprocess compiled] [--stack-dump-s 0]
 
 Needs nemo-automodel 0.7.0 and its import closure (transformers, ...); ``cute`` needs
 ``flash_attn.cute`` (flash-attn-4 and the CuTe DSL), else it is reported unavailable
-with the error. ``--dry-run`` checks the plumbing on CPU (small layer, S=150, fp32).
+with the error. ``--dry-run`` checks the plumbing on CPU (small layer, S=150 unless
+``--seq-lens`` is given, fp32).
 
 The layer: ``Qwen3_8_FlashNextQSAAttention`` at the real config (hidden 2560, 24/2
 heads, head_dim 256, indexer 4 x 128, budget 2048, ratio 4, config defaults otherwise),
 upstream's initialisation, bf16 as upstream builds it (norm weights fp32), B = 1, no
 padding. One step = forward of the whole layer (indexer, projections, norms, RoPE,
 sparse GQA, gate, output projection) and backward from a fixed random ``grad_out``.
-Variants, all on the same weights and inputs:
+
+Hidden states, per ``--hidden-rho`` value rho: an AR(1) process along the sequence,
+``x_0 = e_0``, ``x_t = rho x_{t-1} + sqrt(1 - rho^2) e_t``, ``e`` standard normal (unit
+variance per channel; rho = 0: independent tokens); every rho of one S shares ``e`` and
+``grad_out``. Variants, all on the same weights and inputs:
 
 * ``flex``: upstream with ``backend.attn = "flex"`` (builds its FlexAttention mask in
   ``_select_routes``, attention through its compiled ``flex_attention``);
@@ -21,7 +26,7 @@ Variants, all on the same weights and inputs:
 * ``qsa_torch``: the ``flex``-configured layer under ``use_qsa_torch(layer, "auto")``
   (run first, so that it is measured even if the time budget runs out).
 
-Per variant and S: warm-up steps first (they absorb compilation: upstream's
+Per variant, S and rho: warm-up steps first (they absorb compilation: upstream's
 ``torch.compile`` of flex_attention per shape, FA4's and Triton's JIT; each one's wall
 seconds are logged and kept as ``warmup_step_s``), then
 
@@ -43,8 +48,20 @@ seconds are logged and kept as ``warmup_step_s``), then
    input gradient and every trainable parameter's gradient, and whether the routes
    the indexer produced were identical.
 
+Per S and rho, from the routes of the ``qsa_torch`` run's last instrumented step (on
+the host, after the timed steps; :mod:`qsa_common.route_stats`): ``jaccard``, the mean
+adjacent-row Jaccard past the identity region (rows ``4 * budget / ratio + 3`` on, as
+``python -m parity.bench`` reports it; ``jaccard_all``: all rows), and ``inflation``, the
+union inflation of programs of 128 (row, head) pairs at G = Hq / Hkv. ``kernel_alone``:
+``qsa_torch.sparse_gqa_attention`` (``--qsa-backend``, ``route_format="qsa"``) alone on
+those routes with random contiguous q/k/v/grad of the layer's attention shapes and dtype
+(``layer_qkv_contiguous``: whether the layer's were), forward and forward+backward
+medians of ``--kernel-iters`` CUDA-event timings, the L2 flushed before each (as
+``python -m parity.bench``); ``attn_vs_kernel`` = the layer's ``attn`` / that
+forward+backward.
+
 Writes ``bench_nemo_layer.json`` and ``bench_nemo_layer.md`` under ``--out`` and prints
-the table and each S's indexer share of the ``qsa_torch`` step last.
+the table and, per S and rho, the route statistics and step ratios last.
 """
 
 from __future__ import annotations
@@ -62,11 +79,14 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+for path in (ROOT, HERE):  # the repository; HERE for layer_timing also when this file is loaded by path
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
 import torch  # noqa: E402
+from layer_timing import Spans, new_event, synchronize, timed_dispatch, timed_function  # noqa: E402
 
 UPSTREAM = "nemo_automodel.components.models.qwen3_8_flash_next"
 # qsa_torch first: the measurement that matters most runs even if the budget runs out
@@ -82,88 +102,6 @@ SMALL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head
 
 def log(*args) -> None:
     print(f"[{time.time() - START:6.1f}s]", *args, flush=True)
-
-
-class HostEvent:
-    """CPU stand-in for ``torch.cuda.Event`` (dry runs)."""
-
-    def record(self) -> None:
-        self.t = time.perf_counter()
-
-    def elapsed_time(self, end: HostEvent) -> float:
-        return (end.t - self.t) * 1e3
-
-
-def new_event(device: torch.device):
-    return torch.cuda.Event(enable_timing=True) if device.type == "cuda" else HostEvent()
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _GradEvent(torch.autograd.Function):
-    """Identity on ``tensors`` whose backward records ``event`` once all their gradients exist."""
-
-    @staticmethod
-    def forward(ctx, event, *tensors):
-        ctx.event = event
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.event.record()
-        return (None, *grads)
-
-
-class Spans:
-    """Event pairs of one instrumented step, by name; inactive outside instrumented steps."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.active, self.pairs, self.routes = device, False, {}, None
-
-    def open(self, name: str):
-        start, end = new_event(self.device), new_event(self.device)
-        self.pairs.setdefault(name, []).append((start, end))
-        return start, end
-
-    def durations(self) -> dict[str, float]:
-        return {name: sum(s.elapsed_time(e) for s, e in pairs) for name, pairs in self.pairs.items()}
-
-
-def timed_dispatch(dispatch, spans: Spans):
-    """``dispatch`` (upstream's signature) with attention forward/backward events."""
-
-    def qsa_gqa_attention(query, key, value, selected_token_ids, *, backend, softmax_scale=None, flex_mask=None):
-        if not spans.active:
-            return dispatch(query, key, value, selected_token_ids, backend=backend, softmax_scale=softmax_scale,
-                            flex_mask=flex_mask)
-        fwd_start, fwd_end = spans.open("attn_fwd")
-        bwd_start, bwd_end = spans.open("attn_bwd")
-        query, key, value = _GradEvent.apply(bwd_end, query, key, value)
-        fwd_start.record()
-        out = dispatch(query, key, value, selected_token_ids, backend=backend, softmax_scale=softmax_scale,
-                       flex_mask=flex_mask)
-        fwd_end.record()
-        (out,) = _GradEvent.apply(bwd_start, out)
-        spans.routes = selected_token_ids
-        return out
-
-    return qsa_gqa_attention
-
-
-def timed_function(fn, spans: Spans, name: str):
-    def wrapper(*args, **kwargs):
-        if not spans.active:
-            return fn(*args, **kwargs)
-        start, end = spans.open(name)
-        start.record()
-        result = fn(*args, **kwargs)
-        end.record()
-        return result
-
-    return wrapper
 
 
 @dataclasses.dataclass
@@ -221,6 +159,71 @@ def rotary(config, seq: int, device: torch.device, dtype: torch.dtype) -> torch.
     return torch.cat((cos[..., :half], sin[..., :half]), dim=-1)
 
 
+def hidden_states(seq: int, hidden: int, rho: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, grad_out)`` float32 ``[1, seq, hidden]`` on the host: x an AR(1) process along the
+    sequence with unit stationary variance (independent for rho = 0), grad_out independent;
+    the noise depends on (seed, seq) only."""
+    gen = torch.Generator().manual_seed(seed + seq)
+    x = torch.randn(1, seq, hidden, generator=gen)
+    grad_out = torch.randn(1, seq, hidden, generator=gen)
+    if rho:
+        spread = (1.0 - rho * rho) ** 0.5
+        for t in range(1, seq):
+            x[:, t].mul_(spread).add_(x[:, t - 1], alpha=rho)
+    return x, grad_out
+
+
+def route_statistics(routes: torch.Tensor, config) -> dict:
+    """Adjacent-row Jaccard and 128-pair union inflation of the layer's routes (host)."""
+    from qsa_common.route_stats import FLAT_128, route_stats
+
+    ids = routes.detach().cpu().numpy()
+    seq = ids.shape[1]
+    group = config.num_attention_heads // config.num_key_value_heads
+    top_k = config.indexer_budget // config.indexer_compress_ratio
+    first_row = min(4 * top_k + 3, seq - 1)
+    stats = route_stats(ids, seq, groups=(group,), tilings=(FLAT_128,), first_row=first_row)
+    return {"jaccard": stats["jaccard"], "jaccard_all": stats["jaccard_all"], "jaccard_first_row": first_row,
+            "inflation": stats["inflation"][group][FLAT_128.label], "group": group, "route_width": ids.shape[-1]}
+
+
+def kernel_alone(setup: Setup, captured: dict, args) -> dict:
+    """``qsa_torch.sparse_gqa_attention`` alone on the layer's routes, attention shapes and
+    dtype (random q/k/v/grad): forward and forward+backward medians, L2 flushed before each."""
+    from qsa_torch import sparse_gqa_attention
+
+    device, routes = setup.device, captured["routes"]
+    q_shape, kv_shape, dtype, scale, contiguous = captured["call"]
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    q, k, v, do = (torch.randn(shape, device=device, dtype=dtype, generator=gen)
+                   for shape in (q_shape, kv_shape, kv_shape, q_shape))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if device.type == "cuda" else None
+
+    def forward():
+        return sparse_gqa_attention(*leaves, routes, scale, backend=args.qsa_backend, route_format="qsa")
+
+    result: dict = {"backend": args.qsa_backend, "iters": args.kernel_iters, "layer_qkv_contiguous": contiguous}
+    with qsa_messages() as messages:
+        for name, fn in (("fwd_ms", forward), ("fwdbwd_ms", lambda: forward().backward(do))):
+            times = []
+            for i in range(args.kernel_iters + 1):  # the first call absorbs compilation
+                for t in leaves:
+                    t.grad = None
+                if flush is not None:
+                    flush.zero_()
+                start, end = new_event(device), new_event(device)
+                start.record()
+                fn()
+                end.record()
+                synchronize(device)
+                if i:
+                    times.append(start.elapsed_time(end))
+            result[name] = statistics.median(times)
+    result["ran"] = ran_backends(messages)
+    return result
+
+
 def train_step(layer, x, grad_out, freqs):
     layer.zero_grad(set_to_none=True)
     leaf = x.detach().requires_grad_()
@@ -255,6 +258,24 @@ class _Messages(logging.Handler):
             self.lines.append(line)
 
 
+@contextlib.contextmanager
+def qsa_messages():
+    """The distinct messages of the ``qsa_torch`` logger (DEBUG and up) while active."""
+    handler, logger = _Messages(), logging.getLogger("qsa_torch")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def ran_backends(lines: list[str]) -> list[str]:
+    return sorted({line.split("ran backend ")[1] for line in lines if "ran backend " in line})
+
+
 def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a, e = actual.double(), expected.double()
     if not bool(torch.isfinite(a).all()):
@@ -286,20 +307,15 @@ def cute_preprocess(variant: str, mode: str):
         fa4_qsa._preprocess = compiled
 
 
-def run_variant(setup: Setup, variant: str, seq: int, inputs, args) -> tuple[dict, dict]:
+def run_variant(setup: Setup, variant: str, seq: int, rho: float, inputs, args) -> tuple[dict, dict]:
     """Time one variant; returns its result and its output, gradients and routes."""
     layer, device = setup.layer, setup.device
     layer.backend = dataclasses.replace(setup.backend, attn="cute" if variant == "cute" else "flex")
     x, grad_out, freqs = inputs
-    result: dict = {"variant": variant, "seq_len": seq}
-    handler = _Messages()
-    qsa_logger = logging.getLogger("qsa_torch")
-    qsa_logger.addHandler(handler)
-    level = qsa_logger.level
-    qsa_logger.setLevel(logging.DEBUG)
+    result: dict = {"variant": variant, "seq_len": seq, "hidden_rho": rho}
     if variant == "cute":
         result["preprocess"] = args.cute_preprocess
-    try:
+    with qsa_messages() as messages:
         with routes_for(setup, variant, args, instrumented=False):
             t0 = time.time()
             result["warmup_step_s"] = []
@@ -308,7 +324,7 @@ def run_variant(setup: Setup, variant: str, seq: int, inputs, args) -> tuple[dic
                 train_step(layer, x, grad_out, freqs)
                 synchronize(device)
                 result["warmup_step_s"].append(time.time() - step_start)
-                log(f"S={seq} {variant}: warm-up step {i} took {result['warmup_step_s'][-1]:.1f} s")
+                log(f"S={seq} rho={rho:g} {variant}: warm-up step {i} took {result['warmup_step_s'][-1]:.1f} s")
             result["warmup_s"] = time.time() - t0
             times = []
             for _ in range(args.iters):
@@ -331,7 +347,7 @@ def run_variant(setup: Setup, variant: str, seq: int, inputs, args) -> tuple[dic
             out, leaf = train_step(layer, x, grad_out, freqs)
             tensors = {"out": out.detach(), "dx": leaf.grad}
             tensors.update({f"grad/{n}": p.grad for n, p in layer.named_parameters() if p.requires_grad})
-        result["qsa_torch_log"] = list(handler.lines)
+        result["qsa_torch_log"] = list(messages)
 
         parts = []
         with routes_for(setup, variant, args, instrumented=True):
@@ -352,18 +368,15 @@ def run_variant(setup: Setup, variant: str, seq: int, inputs, args) -> tuple[dic
         breakdown["other"] = breakdown["step"] - measured
         breakdown["attn"] = breakdown["attn_fwd"] + breakdown["attn_bwd"]
         result["breakdown_ms"] = breakdown
-        routes, setup.spans.routes = setup.spans.routes, None
-        return result, {"tensors": tensors, "routes": routes}
-    finally:
-        qsa_logger.removeHandler(handler)
-        qsa_logger.setLevel(level)
+    routes, setup.spans.routes = setup.spans.routes, None
+    return result, {"tensors": tensors, "routes": routes, "call": setup.spans.call}
 
 
-def compare(results: list[dict], seq: int, captured: dict) -> None:
+def compare(entries: list[dict], captured: dict) -> None:
     """Agreement of every variant's output, gradients and routes with the flex run."""
     reference = captured.get("flex")
-    for entry in results:
-        if entry["seq_len"] != seq or entry["variant"] not in captured:
+    for entry in entries:
+        if entry["variant"] not in captured:
             continue
         if entry["variant"] == "flex":
             entry["agreement"] = "reference"
@@ -392,14 +405,15 @@ def markdown(report: dict) -> str:
         "",
         f"Environment: {json.dumps(report['env'])}",
         "",
-        "| S | variant | step ms | peak GiB | attn fwd | attn bwd | attn | indexer | flex mask | other "
-        "| out err | dx err | max param-grad err | routes equal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| S | variant | rho | J | inflation | step ms | peak GiB | attn fwd | attn bwd | attn | kernel alone "
+        "| attn / kernel | indexer | flex mask | other | out err | dx err | max param-grad err | routes equal |",
+        "|" + "---|" * 19,
     ]
     for r in report["results"]:
+        head = (f"| {r['seq_len']} | {label(r)} | {r['hidden_rho']:g} | {fmt(r.get('jaccard'))} "
+                f"| {fmt(r.get('inflation'))} ")
         if "error" in r or "skipped" in r:
-            lines.append(f"| {r['seq_len']} | {r['variant']} | {r.get('error') or r.get('skipped')} "
-                         + "| " * 11 + "|")
+            lines.append(head + f"| {r.get('error') or r.get('skipped')} " + "| " * 13 + "|")
             continue
         b = r["breakdown_ms"]
         agree = r["agreement"]
@@ -407,13 +421,17 @@ def markdown(report: dict) -> str:
             f"{agree['out']:.1e}", f"{agree['dx']:.1e}",
             f"{max(v for k, v in agree.items() if k.startswith('grad/')):.1e}")
         lines.append(
-            f"| {r['seq_len']} | {label(r)} | {fmt(r['step_ms'])} | {fmt(r.get('peak_gib'))} "
+            head + f"| {fmt(r['step_ms'])} | {fmt(r.get('peak_gib'))} "
             f"| {fmt(b.get('attn_fwd'))} | {fmt(b.get('attn_bwd'))} | {fmt(b.get('attn'))} "
+            f"| {fmt(r.get('kernel_alone', {}).get('fwdbwd_ms'))} | {fmt(r.get('attn_vs_kernel'))} "
             f"| {fmt(b.get('indexer'))} | {fmt(b.get('flex_mask'))} | {fmt(b.get('other'))} "
             f"| {errs[0]} | {errs[1]} | {errs[2]} | {r.get('routes_identical', '-')} |")
-    lines += ["", "Times are medians in ms (CUDA events). `step ms`: uninstrumented step; the breakdown "
-              "columns come from separate instrumented steps (see the script's docstring); errors are "
-              "relative to the flex run.", ""]
+    lines += ["", "Times are medians in ms (CUDA events). `rho`: AR(1) correlation of neighbouring hidden "
+              "states; `J`: mean adjacent-row Jaccard of the layer's routes past the identity region; "
+              "`inflation`: their union inflation for 128-pair programs. `step ms`: uninstrumented step; the "
+              "breakdown columns come from separate instrumented steps; `kernel alone`: fwd+bwd of "
+              "sparse_gqa_attention alone on the same routes and shapes (see the script's docstring); "
+              "errors are relative to the flex run.", ""]
     lines += [f"* {line}" for line in report["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -444,25 +462,33 @@ def cute_unavailable() -> str | None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--seq-lens", type=int, nargs="+", help="default 8192 32768 (dry run: 150)")
+    parser.add_argument("--hidden-rho", type=float, nargs="+", default=[0.0], metavar="RHO",
+                        help="AR(1) correlation of neighbouring hidden states, 0 <= RHO < 1 (default 0)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--time-budget", type=float, default=250.0,
-                        help="seconds; a (S, variant) that would start later is skipped")
+                        help="seconds; a (S, rho, variant) that would start later is skipped")
+    parser.add_argument("--kernel-iters", type=int, default=10,
+                        help="timed calls of sparse_gqa_attention alone per (S, rho)")
     parser.add_argument("--qsa-backend", default="auto", help="backend for use_qsa_torch (default auto)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dry-run", action="store_true", help="CPU, small layer, S=150, fp32: plumbing only")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, small layer, fp32: plumbing only")
     parser.add_argument("--cute-preprocess", choices=("compiled", "eager"), default="compiled",
                         help="upstream's FA4 route preprocessing as shipped (torch.compile) or eager")
     parser.add_argument("--stack-dump-s", type=float, default=0.0,
                         help="every so many seconds, print every thread's Python stack to stderr "
                              "(tells a long JIT compile from a hang); 0: never")
     args = parser.parse_args(argv)
+    if not all(0.0 <= rho < 1.0 for rho in args.hidden_rho):
+        parser.error(f"--hidden-rho values must lie in [0, 1), got {args.hidden_rho}")
     if args.stack_dump_s > 0:
         faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)
     if args.dry_run:
-        args.seq_lens, args.iters, args.warmup = [150], 2, 1
+        args.seq_lens, args.iters, args.warmup = args.seq_lens or [150], 2, 1
+        args.kernel_iters = min(args.kernel_iters, 2)
+    args.seq_lens = args.seq_lens or [8192, 32768]
     os.makedirs(args.out, exist_ok=True)
     report = {"command": " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
               "env": environment(args), "results": [], "notes": []}
@@ -482,54 +508,93 @@ def main(argv=None) -> int:
     report["wall_s"] = time.time() - started
     write(report, args.out)
     print(markdown(report), flush=True)
-    return 0 if all("error" not in r or r["error"].startswith("unavailable") for r in report["results"]) else 1
+    failed = [r for r in report["results"]
+              if "kernel_alone_error" in r or "error" in (r.get("route_stats") or {})
+              or ("error" in r and not r["error"].startswith("unavailable"))]
+    return 1 if failed else 0
+
+
+def run_one(setup: Setup, variant: str, seq: int, rho: float, inputs, args, started: float,
+            cute_reason: str | None, captured: dict) -> dict:
+    """One (S, rho, variant): its result entry; its tensors and routes into ``captured``."""
+    entry = {"variant": variant, "seq_len": seq, "hidden_rho": rho}
+    if variant == "cute" and cute_reason:
+        entry["error"] = f"unavailable: {cute_reason}"
+    elif time.time() - started > args.time_budget:
+        entry["skipped"] = f"time budget {args.time_budget:.0f} s spent"
+    else:
+        log(f"S={seq} rho={rho:g} {variant} ...")
+        try:
+            with cute_preprocess(variant, args.cute_preprocess):
+                entry, captured[variant] = run_variant(setup, variant, seq, rho, inputs, args)
+        except Exception as err:
+            missing = variant == "cute" and isinstance(err, ImportError)
+            entry["error"] = ("unavailable: " if missing else "") + f"{type(err).__name__}: {str(err)[:300]}"
+            log(traceback.format_exc())
+    if variant == "qsa_torch" and variant in captured:
+        try:
+            entry["kernel_alone"] = kernel_alone(setup, captured[variant], args)
+            entry["attn_vs_kernel"] = entry["breakdown_ms"]["attn"] / entry["kernel_alone"]["fwdbwd_ms"]
+        except Exception as err:
+            entry["kernel_alone_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            log(traceback.format_exc())
+    shown = ("step_ms", "peak_gib", "error", "skipped", "breakdown_ms", "kernel_alone", "kernel_alone_error")
+    log(f"S={seq} rho={rho:g} {variant}: " + json.dumps({k: v for k, v in entry.items() if k in shown}))
+    return entry
+
+
+def summarize(setup: Setup, args, report: dict, entries: list[dict], captured: dict) -> None:
+    """Route statistics (of the qsa_torch run's routes, else another's) on every entry of one
+    (S, rho), and a note: backends, step ratios, attention against the kernel alone."""
+    source = "qsa_torch" if "qsa_torch" in captured else next(iter(captured), None)
+    try:
+        stats = None if source is None else dict(route_statistics(captured[source]["routes"], setup.config),
+                                                 variant=source)
+    except Exception as err:
+        stats = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        log(traceback.format_exc())
+    for entry in entries:
+        entry.update(route_stats=stats, jaccard=(stats or {}).get("jaccard"), inflation=(stats or {}).get("inflation"))
+    steps = {e["variant"]: e["step_ms"] for e in entries if "step_ms" in e}
+    ours = next((e for e in entries if e["variant"] == "qsa_torch" and "step_ms" in e), None)
+    if not ours or stats is None or "error" in stats:
+        return
+    ran = ran_backends(ours["qsa_torch_log"])
+    b = ours["breakdown_ms"]
+    note = (f"S={ours['seq_len']} rho={ours['hidden_rho']:g}: use_qsa_torch(backend={args.qsa_backend!r}) ran "
+            f"{', '.join(ran) or 'no logged backend (see qsa_torch_log)'}; routes J {fmt(stats['jaccard'])} "
+            f"(all rows {fmt(stats['jaccard_all'])}), inflation {fmt(stats['inflation'])}; "
+            + "".join(f"step {steps[v] / ours['step_ms']:.2f}x faster than {v}; " for v in steps if v != "qsa_torch")
+            + f"indexer {b.get('indexer', 0):.2f} ms = {100 * b.get('indexer', 0) / b['step']:.0f}% of the "
+            f"instrumented step ({b['step']:.2f} ms), attention {b['attn']:.2f} ms "
+            f"= {100 * b['attn'] / b['step']:.0f}%")
+    if "kernel_alone" in ours:
+        k = ours["kernel_alone"]
+        note += (f", {ours['attn_vs_kernel']:.2f}x sparse_gqa_attention alone on the same routes "
+                 f"({k['fwd_ms']:.2f} / {k['fwdbwd_ms']:.2f} ms fwd / fwd+bwd, ran {', '.join(k['ran']) or '-'})")
+    report["notes"].append(note)
 
 
 def run_all(setup: Setup, args, report: dict, started: float) -> None:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
-    hidden = setup.config.hidden_size
     cute_reason = None if args.dry_run else cute_unavailable()
     for seq in args.seq_lens:
-        gen = torch.Generator().manual_seed(args.seed + seq)
-        x = torch.randn(1, seq, hidden, generator=gen).to(setup.device, dtype)
-        grad_out = torch.randn(1, seq, hidden, generator=gen).to(setup.device, dtype)
-        inputs = (x, grad_out, rotary(setup.config, seq, setup.device, dtype))
-        captured = {}
-        for variant in args.variants:
-            entry = {"variant": variant, "seq_len": seq}
-            if variant == "cute" and cute_reason:
-                entry["error"] = f"unavailable: {cute_reason}"
-            elif time.time() - started > args.time_budget:
-                entry["skipped"] = f"time budget {args.time_budget:.0f} s spent"
-            else:
-                log(f"S={seq} {variant} ...")
-                try:
-                    with cute_preprocess(variant, args.cute_preprocess):
-                        entry, captured[variant] = run_variant(setup, variant, seq, inputs, args)
-                except Exception as err:
-                    missing = variant == "cute" and isinstance(err, ImportError)
-                    entry["error"] = ("unavailable: " if missing else "") + f"{type(err).__name__}: {str(err)[:300]}"
-                    log(traceback.format_exc())
-            log(f"S={seq} {variant}: " + json.dumps({k: v for k, v in entry.items()
-                                                      if k in ("step_ms", "peak_gib", "error", "skipped",
-                                                               "breakdown_ms")}))
-            report["results"].append(entry)
-            write_json(report, args.out)  # kept if the run is cut short
+        freqs = rotary(setup.config, seq, setup.device, dtype)
+        for rho in args.hidden_rho:
+            x, grad_out = hidden_states(seq, setup.config.hidden_size, rho, args.seed)
+            inputs = (x.to(setup.device, dtype), grad_out.to(setup.device, dtype), freqs)
+            captured: dict = {}
+            entries = []
+            for variant in args.variants:
+                entries.append(run_one(setup, variant, seq, rho, inputs, args, started, cute_reason, captured))
+                report["results"].append(entries[-1])
+                write_json(report, args.out)  # kept if the run is cut short
+            compare(entries, captured)
+            summarize(setup, args, report, entries, captured)
+            write_json(report, args.out)
+            del captured, inputs
             if setup.device.type == "cuda":
                 torch.cuda.empty_cache()
-        compare(report["results"], seq, captured)
-        del captured
-        ours = next((r for r in report["results"] if r["seq_len"] == seq and r["variant"] == "qsa_torch"
-                     and "step_ms" in r), None)
-        if ours:
-            ran = sorted({line.split("ran backend ")[1] for line in ours["qsa_torch_log"] if "ran backend" in line})
-            report["notes"].append(f"S={seq}: use_qsa_torch(backend={args.qsa_backend!r}) ran "
-                                   f"{', '.join(ran) or 'no logged backend (see qsa_torch_log)'}")
-            b = ours["breakdown_ms"]
-            report["notes"].append(
-                f"S={seq}: indexer {b.get('indexer', 0):.2f} ms = {100 * b.get('indexer', 0) / b['step']:.0f}% of "
-                f"the qsa_torch step ({b['step']:.2f} ms instrumented); attention {b['attn']:.2f} ms "
-                f"= {100 * b['attn'] / b['step']:.0f}%; other {b['other']:.2f} ms")
 
 
 def write_json(report: dict, out: str) -> None:

@@ -155,8 +155,9 @@ lowoverlap() {
 
 layer() {
   needs nemo_automodel layer || return 0
-  step nemo_layer 600 "$PY" scripts/gpu/bench_nemo_layer.py --out "$R/nemo_layer" --seq-lens 8192 32768 \
-    --time-budget 400 --cute-preprocess eager --stack-dump-s 120
+  step nemo_layer 480 "$PY" scripts/gpu/bench_nemo_layer.py --out "$R/nemo_layer" --seq-lens 32768 \
+    --hidden-rho 0 0.9 0.99 --variants qsa_torch flex cute --time-budget 360 --cute-preprocess eager \
+    --stack-dump-s 120
   step flax_layer_8192 300 "$PY" scripts/gpu/layer_parity.py --out "$R/flax_layer_8192" --seq-lens 8192 \
     --layouts padded,packed --time-budget 200
   step flax_layer_32768_padded 300 "$PY" scripts/gpu/layer_parity.py --out "$R/flax_layer_32768_padded" \
