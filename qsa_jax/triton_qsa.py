@@ -238,3 +238,15 @@ def forward_with_lse(query, key, value, selected_token_ids, softmax_scale: float
     routes, scale, plan, launcher, hopper = _setup(query, key, value, selected_token_ids, softmax_scale,
                                                    block_sizes, launcher)
     return _run_forward(query, key, value, routes, scale=scale, plan=plan, launcher=launcher, hopper=hopper)
+
+
+def supports(query, key, value, selected_token_ids, *, softmax_scale=None, deterministic: bool = False):
+    """Why the Triton kernels through jax-triton cannot take these (valid) inputs, or
+    None: float64 (UnsupportedDtype), head dim > 256 (UnsupportedShape). Deterministic
+    gradients are available."""
+    del key, value, selected_token_ids, softmax_scale, deterministic
+    if jnp.dtype(query.dtype).name not in _DTYPES:
+        return UnsupportedDtype(f"the Triton kernels take bf16/f16/f32, not {jnp.dtype(query.dtype).name}")
+    if query.shape[-1] > 256:
+        return UnsupportedShape(f"the Triton kernels support head dim <= 256, got {query.shape[-1]}")
+    return None

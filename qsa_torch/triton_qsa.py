@@ -238,3 +238,38 @@ def forward_from_unions(query, key, value, union, count, rowbits, softmax_scale:
     plan = _plan(query, key, block_sizes)
     unions = _unions_of(query, key, union, count, rowbits, top_k, plan)
     return _forward(query, key, value, unions, softmax_scale, plan)
+
+
+def supports(query, key, value, selected_token_ids, *, softmax_scale=None, deterministic=False):
+    """Why the Triton kernels cannot take these (valid) inputs, or None: off CUDA unless
+    its kernels are interpreted (UnsupportedDevice), fp64 (UnsupportedDtype), triton
+    absent (MissingRuntime), head dim > 256 (UnsupportedShape). Deterministic gradients
+    are available (int64 fixed-point dK/dV)."""
+    from qsa_common.errors import MissingRuntime, UnsupportedDevice, UnsupportedDtype, UnsupportedShape
+    from qsa_triton.launch import interprets
+
+    del key, value, selected_token_ids, softmax_scale, deterministic
+    device = query.device
+    if device.type != "cuda" and not (device.type == "cpu" and interprets()):
+        return UnsupportedDevice("the Triton backend needs a CUDA device (or TRITON_INTERPRET=1 set before its "
+                                 f"kernels are imported); query is on {device}")
+    if query.dtype not in _DTYPES:
+        return UnsupportedDtype(f"the Triton kernels take float16, bfloat16, float32, not "
+                                f"{str(query.dtype).removeprefix('torch.')}")
+    if not _HAS_TRITON:
+        return MissingRuntime("optional runtime 'triton' is not installed")
+    if query.shape[-1] > _MAX_HEAD_DIM:
+        return UnsupportedShape(f"the Triton kernels support head dim <= {_MAX_HEAD_DIM}, got {query.shape[-1]}")
+    return None
+
+
+def _find_triton() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+_HAS_TRITON = _find_triton()  # at import: dynamo traces supports() under torch.compile
