@@ -240,14 +240,15 @@ def forward_from_unions(query, key, value, union, count, rowbits, softmax_scale:
     return _forward(query, key, value, unions, softmax_scale, plan)
 
 
+from qsa_common.errors import MissingRuntime, UnsupportedDevice, UnsupportedDtype, UnsupportedShape  # noqa: E402
+from qsa_triton.launch import interprets  # noqa: E402
+
+
 def supports(query, key, value, selected_token_ids, *, softmax_scale=None, deterministic=False):
     """Why the Triton kernels cannot take these (valid) inputs, or None: off CUDA unless
     its kernels are interpreted (UnsupportedDevice), fp64 (UnsupportedDtype), triton
     absent (MissingRuntime), head dim > 256 (UnsupportedShape). Deterministic gradients
     are available (int64 fixed-point dK/dV)."""
-    from qsa_common.errors import MissingRuntime, UnsupportedDevice, UnsupportedDtype, UnsupportedShape
-    from qsa_triton.launch import interprets
-
     del key, value, selected_token_ids, softmax_scale, deterministic
     device = query.device
     if device.type != "cuda" and not (device.type == "cpu" and interprets()):
