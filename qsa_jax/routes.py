@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qsa_common import layouts as _layouts
+from qsa_common import route_check as _route_check
 from qsa_common.contract import (ProblemDims, check_bool_or_none, check_dtypes, check_route_dtype, check_shapes,
                                   device_mismatch, not_an_array, resolve_scale)
 from qsa_common.errors import InvalidInput, UnsupportedDtype, UnsupportedShape
@@ -34,6 +35,7 @@ __all__ = [
     "UnsupportedShape",
     "DETERMINISTIC_XLA_FLAGS",
     "Validated",
+    "check_routes",
     "dtype_name",
     "resolve_deterministic",
     "xla_gpu_deterministic",
@@ -263,3 +265,16 @@ def generate_problem(
     """
     problem = _layouts.make_problem(layout, route_family, seed=seed, seq_len=seq_len, **kwargs)
     return jnp.asarray(prepare_routes(problem.routes)), problem
+
+
+def check_routes(routes: Any, *, causal: bool = True, documents: Any = None, kv_length: int | None = None,
+                 query_offset: int | None = None) -> _route_check.RouteReport:
+    """Report out-of-range IDs (other than -1), routes to future tokens and routes crossing
+    documents: :func:`qsa_common.route_check.check_routes` on the host copies of
+    ``routes`` ``[B, S_q, K]`` and ``documents`` (per-token document ids ``[B, S_kv]`` or
+    ``[S_kv]``). A debugging aid: it copies device arrays to the host (not traceable
+    under ``jax.jit``); the attention functions never need it (out-of-range IDs are
+    padding there)."""
+    return _route_check.check_routes(np.asarray(routes), causal=causal,
+                                     documents=None if documents is None else np.asarray(documents),
+                                     kv_length=kv_length, query_offset=query_offset)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from qsa_common import layouts as _layouts
+from qsa_common import route_check as _route_check
 from qsa_common.contract import (ProblemDims, check_bool_or_none, check_dtypes, check_route_dtype, check_shapes,
                                   device_mismatch, not_an_array, resolve_scale)
 from qsa_common.errors import DeterminismUnavailable, InvalidInput, UnsupportedDtype
@@ -27,6 +28,7 @@ __all__ = [
     "Validated",
     "available_device_bytes",
     "check_deterministic_backward",
+    "check_routes",
     "dense_aligned",
     "dtype_name",
     "needs_grad",
@@ -275,3 +277,18 @@ def generate_problem(
     """
     problem = _layouts.make_problem(layout, route_family, seed=seed, seq_len=seq_len, **kwargs)
     return to_torch_routes(problem, dtype=dtype, device=device), problem
+
+
+def _host(x):
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
+
+
+def check_routes(routes: torch.Tensor, *, causal: bool = True, documents: torch.Tensor | None = None,
+                 kv_length: int | None = None, query_offset: int | None = None) -> _route_check.RouteReport:
+    """Report out-of-range IDs (other than -1), routes to future tokens and routes crossing
+    documents: :func:`qsa_common.route_check.check_routes` on the host copies of
+    ``routes`` ``[B, S_q, K]`` and ``documents`` (per-token document ids ``[B, S_kv]`` or
+    ``[S_kv]``). A debugging aid: it copies device data to the host (one synchronisation);
+    the attention functions never need it (out-of-range IDs are padding there)."""
+    return _route_check.check_routes(_host(routes), causal=causal, documents=_host(documents),
+                                     kv_length=kv_length, query_offset=query_offset)
