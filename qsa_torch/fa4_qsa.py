@@ -289,6 +289,13 @@ def _device_declined(device: torch.device) -> UnsupportedDevice | None:
     return None
 
 
+def _check_device(device: torch.device) -> None:
+    """Raise :func:`_device_declined`'s UnsupportedDevice (a RuntimeError), if any."""
+    declined = _device_declined(device)
+    if declined is not None:
+        raise declined
+
+
 def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
              deterministic=False) -> BackendDeclined | None:
     """Why FA4 cannot take these (valid) inputs, or None, checked in this order without
@@ -301,7 +308,7 @@ def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
     if declined is not None:
         return declined
     if query.dtype != torch.bfloat16:
-        return UnsupportedDtype(f"the FA4 backend computes in bfloat16 only, got {dtype_name(query.dtype)}")
+        return UnsupportedDtype(f"the FA4 backend computes in bfloat16 only; query is {dtype_name(query.dtype)}")
     if not _HAS_RUNTIME:
         return MissingRuntime(f"the FA4 backend needs flash-attn-4, which is not installed: {_INSTALL_HINT}")
     if deterministic and needs_grad(query, key, value):
@@ -414,13 +421,11 @@ def fa4_sparse_gqa_attention(
     checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
     dims = checked.dims
     if query.dtype != torch.bfloat16:
-        raise UnsupportedDtype(f"the FA4 backend computes in bfloat16 only, got {dtype_name(query.dtype)}")
+        raise UnsupportedDtype(f"the FA4 backend computes in bfloat16 only; query is {dtype_name(query.dtype)}")
     if dims.head_dim != HEAD_DIM:
         raise UnsupportedShape(f"the FA4 backend needs head dim {HEAD_DIM}, got {dims.head_dim}")
     check_deterministic_backward("FA4", query, key, value)
-    declined = _device_declined(query.device)
-    if declined is not None:
-        raise declined
+    _check_device(query.device)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     _check_memory(dims, needs_grad, _available_bytes(query.device))
     fa4 = _load_fa4()

@@ -429,8 +429,8 @@ def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
     torch (MissingRuntime). Its backward is deterministic."""
     del selected_token_ids, softmax_scale, deterministic
     if query.dtype not in _DTYPES:
-        return UnsupportedDtype(f"FlexAttention computes in {', '.join(dtype_name(d) for d in _DTYPES)} only, "
-                                f"got {dtype_name(query.dtype)}")
+        return UnsupportedDtype(f"FlexAttention computes in {', '.join(dtype_name(d) for d in _DTYPES)} only; query is "
+                                f"{dtype_name(query.dtype)}")
     if query.device.type not in ("cuda", "cpu"):
         return UnsupportedDevice(f"query is on {query.device}; flex_sparse_gqa_attention runs on CUDA or CPU only")
     if query.device.type == "cpu" and needs_grad(query, key, value):
