@@ -128,8 +128,8 @@ def context_parallel_sparse_gqa_attention(
         BackendDeclined / NoBackendAvailable: no named implementation accepts the inputs
             (e.g. ``deterministic=True`` where only fp32-atomic kernels are named).
     """
-    checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
     routes = prepare_routes(selected_token_ids)
+    checked = validate_inputs(query, key, value, routes, softmax_scale)
     dims = checked.dims
     for name in (axis_name, batch_axis):
         if name is not None and name not in mesh.shape:
