@@ -42,7 +42,7 @@ from ._pallas_tiles import route_union as _route_union
 from qsa_common.errors import (BackendDeclined, DeterminismUnavailable, UnsupportedDevice, UnsupportedDtype,
                                UnsupportedOption, UnsupportedShape)
 
-from .routes import dtype_name, gpu_capability, on_gpu, prepare_routes, validate_inputs
+from .routes import dtype_name, gpu_capability, on_gpu, prepare_routes, resolve_deterministic, validate_inputs
 
 _MAX_HEAD_DIM = 256
 _MAX_KV_LENGTH = 2**27  # the kernels' int32 sort keys hold S_kv * 16
@@ -263,7 +263,7 @@ def pallas_sparse_gqa_attention(
     *,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
-    deterministic: bool = False,
+    deterministic: bool | None = None,
 ):
     """Route-sparse GQA with the Pallas Triton kernels (forward and custom_vjp backward).
 
@@ -284,6 +284,7 @@ def pallas_sparse_gqa_attention(
             off a GPU; UnsupportedShape: ``flatten_heads`` past int32.
     """
     checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
+    deterministic = resolve_deterministic(deterministic)
     declined = supports(query, key, value, selected_token_ids, softmax_scale=softmax_scale,
                         deterministic=deterministic)
     if declined is not None:
