@@ -38,13 +38,13 @@ __all__ = [
     "InvalidInput",
     "MissingRuntime",
     "NoBackendAvailable",
-    "as_declined",
-    "no_backend_available",
     "QSAError",
     "UnsupportedDevice",
     "UnsupportedDtype",
     "UnsupportedOption",
     "UnsupportedShape",
+    "as_declined",
+    "no_backend_available",
 ]
 
 

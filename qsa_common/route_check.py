@@ -54,8 +54,9 @@ class RouteReport:
 
     def __str__(self) -> str:
         b, s_q, k = self.shape
+        verdict = "ok" if self.ok else "PROBLEMS"
         lines = [f"routes [B={b}, S_q={s_q}, K={k}] over S_kv={self.kv_length} keys "
-                 f"(query row 0 at position {self.query_offset}): {'ok' if self.ok else 'PROBLEMS'}"]
+                 + f"(query row 0 at position {self.query_offset}): {verdict}"]
 
         def kind(label: str, count: int, first, checked: bool = True) -> None:
             if not checked:

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from qsa_common.errors import (BackendDeclined, DeterminismUnavailable, UnsupportedDevice, UnsupportedDtype,
+                               UnsupportedOption, UnsupportedShape)
 from qsa_triton.config import block_shared_memory
 
 from ._pallas_kernels import backward_kernel, forward_kernel
@@ -39,9 +41,6 @@ from ._pallas_tiles import flat_route_union, tile_route_union
 from ._pallas_tiles import pad_head_dim as _pad_head_dim
 from ._pallas_tiles import restore_queries as _restore_queries
 from ._pallas_tiles import route_union as _route_union
-from qsa_common.errors import (BackendDeclined, DeterminismUnavailable, UnsupportedDevice, UnsupportedDtype,
-                               UnsupportedOption, UnsupportedShape)
-
 from .routes import dtype_name, gpu_capability, on_gpu, prepare_routes, resolve_deterministic, validate_inputs
 
 _MAX_HEAD_DIM = 256

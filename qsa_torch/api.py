@@ -61,7 +61,7 @@ from qsa_common.errors import BackendDeclined, InvalidInput, MissingRuntime, as_
 from qsa_common.log_once import log_once
 
 from ._private_api import autograd_enabled
-from .routes import needs_grad, resolve_deterministic, validate_inputs, warn_unverified
+from .routes import resolve_deterministic, validate_inputs, warn_unverified
 
 __all__ = [
     "ALIASES",
@@ -192,6 +192,7 @@ def _module(name: str) -> ModuleType:
 
 for _name in BACKENDS:  # the built-in backends import no optional runtime at import
     _module(_name)
+del _name
 
 
 def backend_declines(name: str, query, key, value, selected_token_ids, *, softmax_scale=None,

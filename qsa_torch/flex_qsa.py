@@ -49,7 +49,16 @@ from qsa_common.errors import BackendDeclined, MissingRuntime, UnsupportedDevice
 from .routes import ProblemDims, dtype_name, membership_table, needs_grad, validate_inputs
 from .routes import available_device_bytes as _available_bytes
 
-__all__ = ["MAX_COMPILED_SHAPES", "bucket_batch", "bucket_length", "flex_sparse_gqa_attention", "supports"]
+__all__ = ["MAX_COMPILED_SHAPES", "NoCPUBackward", "bucket_batch", "bucket_length", "flex_sparse_gqa_attention",
+           "supports"]
+
+
+class NoCPUBackward(UnsupportedDevice, NotImplementedError):
+    """Gradients asked of FlexAttention on CPU, which has no backward there: a
+    :class:`~qsa_common.errors.UnsupportedDevice` decline and, for callers that run a
+    forward alone when a backward is not implemented (the parity harness), a
+    ``NotImplementedError``."""
+
 
 # looked up once, at import (dynamo traces supports() under torch.compile: no importlib there)
 _RUNTIME = "torch.nn.attention.flex_attention"
@@ -434,7 +443,7 @@ def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
     if query.device.type not in ("cuda", "cpu"):
         return UnsupportedDevice(f"query is on {query.device}; flex_sparse_gqa_attention runs on CUDA or CPU only")
     if query.device.type == "cpu" and needs_grad(query, key, value):
-        return UnsupportedDevice(
+        return NoCPUBackward(
             "flex_sparse_gqa_attention: gradients need a CUDA device; FlexAttention has no CPU backward. "
             "On CPU call it under torch.no_grad() or with inputs that do not require grad (forward only).")
     if not _HAS_RUNTIME:

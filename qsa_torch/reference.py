@@ -23,7 +23,6 @@ def supports(query, key, value, selected_token_ids, *, softmax_scale=None, deter
     """Why the reference cannot take these (valid) inputs: never (any device, every
     floating dtype of the contract, a deterministic backward); returns None."""
     del query, key, value, selected_token_ids, softmax_scale, deterministic
-    return None
 
 # Gathered elements per chunk (K * Hkv * D * rows * batch); ~64 M fp32 = 256 MB
 # for each of K and V.

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import math
 
+import jax
 import numpy as np
 import pytest
-
-from qsa_common import errors
+import torch
 from test_validation import CASES, good
 
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
-
-import qsa_jax  # noqa: E402
-import qsa_torch  # noqa: E402
+import qsa_jax
+import qsa_torch
+from qsa_common import errors
 
 # Bad inputs beyond test_validation's CASES (arguments, softmax_scale, extra keyword arguments)
 EXTRA = {

@@ -4,10 +4,9 @@ torch versions it is declared for. A change in torch fails here before it fails 
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from qsa_torch import _private_api  # noqa: E402
+from qsa_torch import _private_api
 
 
 def test_installed_torch_is_in_the_declared_range():

@@ -704,3 +704,26 @@ def test_triton_pair_logs_its_run_and_gives_a_deterministic_backward(rng, monkey
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_deterministic_reaches_the_triton_backend(rng, monkeypatch):
+    """An explicit ``deterministic`` that differs from torch's flag reaches the Triton
+    function (forward and the backward's recomputation) through the generic op; one that
+    agrees takes the Triton op pair, whose backward reads the flag."""
+    from qsa_torch import reference_sparse_gqa_attention, triton_qsa
+
+    seen = []
+
+    def spy(*args, deterministic=None, **kwargs):
+        seen.append(deterministic)
+        return reference_sparse_gqa_attention(*args, **kwargs)
+
+    monkeypatch.setattr(triton_qsa, "triton_sparse_gqa_attention", spy)
+    monkeypatch.setattr(triton_qsa, "supports", lambda *a, **k: None)
+    monkeypatch.setattr(triton_qsa, "forward_with_residuals", lambda *a, **k: pytest.fail("took the pair"))
+    problem, q, k, v, do = _problem(rng)
+    assert not torch.are_deterministic_algorithms_enabled()
+    got = run_torch(lambda *a: api.sparse_gqa_attention(*a, backend="triton", deterministic=True), q, k, v,
+                    problem.routes, 0.3, do, "float32")
+    assert seen == [True, True]
+    _assert_matches_oracle(got, q, k, v, problem.routes, 0.3, do)
