@@ -439,7 +439,12 @@ def sparse_gqa_attention(
                                              deterministic=deterministic)
         if declined is not None:
             raise declined
-        return _call(backend, *args)
+        try:
+            return _call(backend, *args)
+        except ImportError as err:  # read as MissingRuntime, as under "auto"
+            if isinstance(err, MissingRuntime):
+                raise
+            raise as_declined(err) from err
     names, reasons = _candidates(*args, route_format, log=not torch.compiler.is_compiling())
     if torch.compiler.is_compiling():  # one traced choice; its errors propagate
         if not names:
