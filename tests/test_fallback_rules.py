@@ -87,3 +87,17 @@ def test_torch(monkeypatch, kind):
     else:
         with pytest.raises(type(RAISED[kind])):
             api.sparse_gqa_attention(x, x, x, r)
+
+
+def test_aliases_mean_the_same_backend():
+    """torch ``backend=None`` is "auto"; JAX ``"reference"`` is "xla" and ``"auto"`` is None."""
+    q, routes = _inputs()
+    x, r = torch.from_numpy(q), torch.from_numpy(routes)
+    assert torch.equal(api.sparse_gqa_attention(x, x, x, r, backend=None), api.sparse_gqa_attention(x, x, x, r))
+    j = jnp.asarray(q)
+    want = np.asarray(attention.sparse_gqa_attention(j, j, j, routes, implementation="xla"))
+    for name in ("reference", "auto", None, ["reference", "xla"]):
+        got = attention.sparse_gqa_attention(j, j, j, routes, implementation=name)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(errors.InvalidInput, match="'auto' cannot be part of a sequence"):
+        attention.sparse_gqa_attention(j, j, j, routes, implementation=["auto", "xla"])
