@@ -54,10 +54,8 @@ __all__ = ["MAX_COMPILED_SHAPES", "NoCPUBackward", "bucket_batch", "bucket_lengt
 
 
 class NoCPUBackward(UnsupportedDevice, NotImplementedError):
-    """Gradients asked of FlexAttention on CPU, which has no backward there: a
-    :class:`~qsa_common.errors.UnsupportedDevice` decline and, for callers that run a
-    forward alone when a backward is not implemented (the parity harness), a
-    ``NotImplementedError``."""
+    """Gradients asked of FlexAttention on CPU: a decline, and a ``NotImplementedError`` for
+    callers that run a forward alone where a backward is not implemented (parity harness)."""
 
 
 # looked up once, at import (dynamo traces supports() under torch.compile: no importlib there)
@@ -443,9 +441,9 @@ def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
     if query.device.type not in ("cuda", "cpu"):
         return UnsupportedDevice(f"query is on {query.device}; flex_sparse_gqa_attention runs on CUDA or CPU only")
     if query.device.type == "cpu" and needs_grad(query, key, value):
-        return NoCPUBackward(
-            "flex_sparse_gqa_attention: gradients need a CUDA device; FlexAttention has no CPU backward. "
-            "On CPU call it under torch.no_grad() or with inputs that do not require grad (forward only).")
+        return NoCPUBackward("flex_sparse_gqa_attention: gradients need a CUDA device; FlexAttention has no CPU "
+                             "backward. On CPU call it under torch.no_grad() or with inputs that do not require "
+                             "grad (forward only).")
     if not _HAS_RUNTIME:
         return MissingRuntime(f"optional runtime {_RUNTIME!r} is not installed")
     return None
