@@ -13,12 +13,20 @@ Two families:
 * A backend declining inputs that are valid but outside what it supports, all
   subclasses of :class:`BackendDeclined`: :class:`UnsupportedShape`
   (``ValueError``), :class:`UnsupportedDtype` (``TypeError``),
+  :class:`UnsupportedOption` (``ValueError``: an option such as block sizes or an
+  interpret mode the backend does not take),
   :class:`UnsupportedDevice` (``RuntimeError``: off the GPU, or a GPU the backend does
   not build for), :class:`DeterminismUnavailable` (``RuntimeError``) and
   :class:`MissingRuntime` (``ImportError``: an optional package is absent). Under
   automatic selection a dispatcher moves on to the next backend after one of these
-  and raises them all together only when no backend is left; a backend named
-  explicitly raises its own.
+  and raises them all together only when no backend is left
+  (:func:`no_backend_available`); a backend named explicitly raises its own.
+
+A dispatcher never moves on after any other exception: not after bad input, and not
+after an out-of-memory error (``torch.OutOfMemoryError``, XLA's ``RESOURCE_EXHAUSTED``),
+which propagates to the caller: another backend would not make the memory appear, and
+retrying hides the size of the problem. A plain ``ImportError`` raised by a backend
+while it runs is read as :class:`MissingRuntime` (an optional package failed to load).
 """
 
 from __future__ import annotations
@@ -33,7 +41,10 @@ __all__ = [
     "QSAError",
     "UnsupportedDevice",
     "UnsupportedDtype",
+    "UnsupportedOption",
     "UnsupportedShape",
+    "as_declined",
+    "no_backend_available",
 ]
 
 
@@ -47,8 +58,9 @@ class InvalidInput(QSAError, ValueError):
 
 
 class InvalidDtype(QSAError, TypeError):
-    """A dtype the contract rejects: non-floating query/key/value, mixed dtypes,
-    unsigned or floating route IDs."""
+    """A dtype or type the contract rejects: non-floating query/key/value, mixed dtypes,
+    unsigned or floating route IDs, a non-array input, a non-real softmax scale, a
+    non-bool flag."""
 
 
 class BackendDeclined(QSAError):
@@ -61,6 +73,11 @@ class UnsupportedShape(BackendDeclined, ValueError):
 
 class UnsupportedDtype(BackendDeclined, TypeError):
     """A valid dtype a backend has no kernel for (e.g. float64 on a GPU kernel)."""
+
+
+class UnsupportedOption(BackendDeclined, ValueError):
+    """A backend-specific option this backend does not take (another backend's block
+    sizes class, an interpret mode it has not)."""
 
 
 class UnsupportedDevice(BackendDeclined, RuntimeError):
@@ -83,3 +100,24 @@ class NoBackendAvailable(QSAError, RuntimeError):
     def __init__(self, message: str, reasons: dict[str, BackendDeclined] | None = None):
         super().__init__(message)
         self.reasons = dict(reasons or {})
+
+
+def as_declined(err: BaseException) -> BackendDeclined | None:
+    """``err`` as the decline it stands for under automatic selection, or None where the
+    dispatcher must let it propagate: a :class:`BackendDeclined` itself, a plain
+    ``ImportError`` as :class:`MissingRuntime` (same message), anything else None."""
+    if isinstance(err, BackendDeclined):
+        return err
+    if isinstance(err, ImportError):
+        declined = MissingRuntime(str(err))
+        declined.__cause__ = err
+        return declined
+    return None
+
+
+def no_backend_available(reasons: dict[str, BackendDeclined], what: str = "backend") -> NoBackendAvailable:
+    """The error a dispatcher raises when every candidate declined: one line per
+    backend (``what`` names them: "backend" in torch, "implementation" in JAX) with its
+    exception class and message; ``reasons`` is kept on the error."""
+    lines = "".join(f"\n  {name}: {type(err).__name__}: {err}" for name, err in reasons.items())
+    return NoBackendAvailable(f"no {what} accepted the inputs:{lines}", reasons)

@@ -62,9 +62,9 @@ def sparse_gqa_attention_shard(
     *,
     axis_name: str,
     implementation: str | Sequence[str] | None = None,
+    deterministic: bool | None = None,
     block_sizes=None,
     interpret: bool | None = None,
-    deterministic: bool = False,
 ):
     """Per-device body: local query rows ``[B, S_q/n, Hq, D]``, local K/V
     ``[B, S_kv/n, Hkv, D]`` and local routes (global IDs) -> local output.
@@ -94,12 +94,18 @@ def context_parallel_sparse_gqa_attention(
     axis_name: str = "cp",
     batch_axis: str | None = None,
     implementation: str | Sequence[str] | None = None,
+    deterministic: bool | None = None,
     block_sizes=None,
     interpret: bool | None = None,
-    deterministic: bool = False,
     check_vma: bool = False,
 ):
     """Route-sparse GQA with the sequence split over mesh axis ``axis_name``.
+
+    The arguments are named and ordered as ``qsa_torch.context_parallel_sparse_gqa_attention``'s
+    (docs/api-names.md): the four arrays, the scale, then where the sequence is split
+    (``mesh``/``axis_name``/``batch_axis`` here, ``group`` there), the implementation,
+    ``deterministic``, and each framework's extras. Unlike torch's per-rank slices, the
+    arrays here are global.
 
     Args:
         query: ``[B, S_q, Hq, D]`` (global shape). Inputs are resharded onto the
@@ -110,7 +116,7 @@ def context_parallel_sparse_gqa_attention(
         softmax_scale: finite positive scale, default ``1/sqrt(D)``.
         mesh: the device mesh; ``axis_name`` splits S_q and S_kv (device i holds
             rows ``i*S/n .. (i+1)*S/n - 1``), ``batch_axis`` (optional) splits B.
-        implementation, block_sizes, interpret, deterministic: passed to
+        implementation, deterministic, block_sizes, interpret: passed to
             :func:`qsa_jax.sparse_gqa_attention` on each device.
         check_vma: shard_map's replication check; off by default because
             custom kernels (Pallas calls) need not declare how they vary over axes.
@@ -119,10 +125,11 @@ def context_parallel_sparse_gqa_attention(
         ``[B, S_q, Hq, D]``, sharded like the inputs (sequence over ``axis_name``).
 
     Raises:
-        ValueError: the contract's shape errors, an axis missing from the mesh,
-            or S_q / S_kv / B not divisible by their mesh axis size.
-        TypeError: what the per-device call raises (e.g. a non-bool ``deterministic``).
-        NotImplementedError / ImportError: no named implementation accepts the inputs
+        ValueError: the contract's shape errors (InvalidInput), an axis missing from the
+            mesh, or S_q / S_kv / B not divisible by their mesh axis size.
+        TypeError: what the per-device call raises (InvalidDtype, e.g. a non-bool
+            ``deterministic``).
+        BackendDeclined / NoBackendAvailable: no named implementation accepts the inputs
             (e.g. ``deterministic=True`` where only fp32-atomic kernels are named).
     """
     routes = prepare_routes(selected_token_ids)

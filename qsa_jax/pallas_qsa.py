@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from qsa_common.errors import (BackendDeclined, DeterminismUnavailable, UnsupportedDevice, UnsupportedDtype,
+                               UnsupportedOption, UnsupportedShape)
 from qsa_triton.config import block_shared_memory
 
 from ._pallas_kernels import backward_kernel, forward_kernel
@@ -39,9 +41,12 @@ from ._pallas_tiles import flat_route_union, tile_route_union
 from ._pallas_tiles import pad_head_dim as _pad_head_dim
 from ._pallas_tiles import restore_queries as _restore_queries
 from ._pallas_tiles import route_union as _route_union
-from .routes import UnsupportedDtype, UnsupportedShape, gpu_capability, on_gpu, prepare_routes, validate_inputs
+from .routes import dtype_name, gpu_capability, on_gpu, prepare_routes, resolve_deterministic, validate_inputs
 
-__all__ = ["BlockSizes", "flat_route_union", "pallas_sparse_gqa_attention", "tile_route_union"]
+_MAX_HEAD_DIM = 256
+_MAX_KV_LENGTH = 2**27  # the kernels' int32 sort keys hold S_kv * 16
+
+__all__ = ["BlockSizes", "flat_route_union", "pallas_sparse_gqa_attention", "supports", "tile_route_union"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +262,7 @@ def pallas_sparse_gqa_attention(
     *,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
-    deterministic: bool = False,
+    deterministic: bool | None = None,
 ):
     """Route-sparse GQA with the Pallas Triton kernels (forward and custom_vjp backward).
 
@@ -270,34 +275,29 @@ def pallas_sparse_gqa_attention(
     fp32 atomics: not bitwise deterministic, so ``deterministic=True`` is declined.
 
     Raises:
-        UnsupportedDtype (a TypeError and NotImplementedError): f64 inputs.
-        UnsupportedShape (a ValueError and NotImplementedError): D > 256.
-        NotImplementedError: S_kv >= 2**27 (use ``implementation="xla"``),
-            ``block_sizes`` of another class, or ``deterministic=True`` (use
-            ``implementation="triton"``).
+        InvalidInput / InvalidDtype: the contract's checks.
+        BackendDeclined: what :func:`supports` returns (UnsupportedDtype: f64;
+            UnsupportedShape: D > 256 or S_kv >= 2**27; DeterminismUnavailable:
+            ``deterministic=True``, use ``implementation="triton"``); UnsupportedOption:
+            ``block_sizes`` of another class; UnsupportedDevice: ``interpret=False``
+            off a GPU; UnsupportedShape: ``flatten_heads`` past int32.
     """
-    if deterministic:
-        raise NotImplementedError("deterministic=True needs implementation='triton' (the Pallas backward adds "
-                                  "dK/dV with fp32 atomics, whose order varies from run to run)")
+    checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
+    deterministic = resolve_deterministic(deterministic)
+    declined = supports(query, key, value, selected_token_ids, softmax_scale=softmax_scale,
+                        deterministic=deterministic)
+    if declined is not None:
+        raise declined
     routes = prepare_routes(selected_token_ids)
-    checked = validate_inputs(query, key, value, routes, softmax_scale)
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise NotImplementedError("block_sizes for the Pallas kernels must be a qsa_jax.pallas_qsa.BlockSizes, "
-                                  f"got {type(block_sizes).__name__}")
-    if jnp.dtype(query.dtype) == jnp.float64:
-        raise UnsupportedDtype("the Pallas kernels take bf16/f16/f32, not float64")
-    if checked.dims.head_dim > 256:
-        raise UnsupportedShape(f"the Pallas kernels support head dim <= 256, got {checked.dims.head_dim}")
-    if checked.dims.kv_length * 16 >= 2**31:
-        raise NotImplementedError(
-            f"the Pallas kernels need S_kv < 2**27, got {checked.dims.kv_length} (int32 sort keys)"
-        )
+        raise UnsupportedOption("block_sizes for the Pallas kernels must be a qsa_jax.pallas_qsa.BlockSizes, "
+                                f"got {type(block_sizes).__name__}")
     if interpret is None:
         interpret = not on_gpu(query)
     elif not isinstance(interpret, bool):
         raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
     elif not interpret and not on_gpu(query):
-        raise NotImplementedError("the Pallas kernels compile for GPUs only; off a GPU they run with interpret=True")
+        raise UnsupportedDevice("the Pallas kernels compile for GPUs only; off a GPU they run with interpret=True")
     pairs = checked.dims.query_length * checked.dims.group_size
     if block_sizes is None:
         block_sizes = BlockSizes.default(checked.dims.head_dim, interpret, query.dtype,
@@ -305,7 +305,26 @@ def pallas_sparse_gqa_attention(
         if block_sizes.flatten_heads and not _pairs_fit_int32(pairs, block_sizes):
             block_sizes = dataclasses.replace(block_sizes, flatten_heads=False)
     elif block_sizes.flatten_heads and not _pairs_fit_int32(pairs, block_sizes):
-        raise NotImplementedError(f"flatten_heads indexes (row, head) pairs in int32: S_q * G = {pairs}")
+        raise UnsupportedShape(f"flatten_heads indexes (row, head) pairs in int32: S_q * G = {pairs}")
     return _run(query, key, value, routes, scale=checked.scale, block_sizes=block_sizes,
                 interpret=interpret)
 
+
+
+def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
+             deterministic: bool = False) -> BackendDeclined | None:
+    """Why the Pallas kernels cannot take these (valid, :func:`validate_inputs`-checked)
+    inputs, or None: float64 (:class:`UnsupportedDtype`), head dim > 256 or
+    S_kv >= 2**27 (:class:`UnsupportedShape`), ``deterministic=True``
+    (:class:`DeterminismUnavailable`: the backward adds dK/dV with fp32 atomics)."""
+    del value, selected_token_ids, softmax_scale
+    if dtype_name(query.dtype) == "float64":
+        return UnsupportedDtype("the Pallas kernels take bf16/f16/f32, not float64")
+    if query.shape[-1] > _MAX_HEAD_DIM:
+        return UnsupportedShape(f"the Pallas kernels support head dim <= {_MAX_HEAD_DIM}, got {query.shape[-1]}")
+    if key.shape[1] >= _MAX_KV_LENGTH:
+        return UnsupportedShape(f"the Pallas kernels need S_kv < 2**27, got {key.shape[1]} (int32 sort keys)")
+    if deterministic:
+        return DeterminismUnavailable("deterministic=True needs implementation='triton' (the Pallas backward adds "
+                                      "dK/dV with fp32 atomics, whose order varies from run to run)")
+    return None

@@ -3,10 +3,10 @@
 * :func:`prepare_routes`: host-side guard for int64 routes when JAX runs
   without x64 (JAX would otherwise wrap huge IDs into valid int32 ones).
 * :func:`validate_inputs`: the contract's checks with its exception types.
-* :class:`UnsupportedDtype` / :class:`UnsupportedShape`: an implementation declining
-  valid inputs it does not run: the contract's TypeError / ValueError, and a
-  NotImplementedError, which :func:`qsa_jax.sparse_gqa_attention` reads as "try the
-  next implementation".
+* :class:`UnsupportedDtype` / :class:`UnsupportedShape`: the classes of
+  :mod:`qsa_common.errors` under their old import path (an implementation declining
+  valid inputs it does not run; :func:`qsa_jax.sparse_gqa_attention` moves on after any
+  :class:`~qsa_common.errors.BackendDeclined`).
 * :func:`normalize_routes`: canonical routes (invalid -> -1, duplicates -> -1,
   optionally sorted), int32, traceable under ``jit``.
 * :func:`generate_problem`: the numpy generators of :mod:`qsa_common` as JAX
@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +24,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from qsa_common import layouts as _layouts
-from qsa_common.contract import ProblemDims, check_shapes, resolve_scale
+from qsa_common import route_check as _route_check
+from qsa_common.contract import (ProblemDims, check_bool_or_none, check_dtypes, check_route_dtype, check_shapes,
+                                  device_mismatch, not_an_array, resolve_scale)
+from qsa_common.errors import InvalidInput, UnsupportedDtype, UnsupportedShape
 
 __all__ = [
     "ProblemDims",
     "UnsupportedDtype",
     "UnsupportedShape",
+    "DETERMINISTIC_XLA_FLAGS",
     "Validated",
+    "check_routes",
+    "dtype_name",
+    "resolve_deterministic",
+    "xla_gpu_deterministic",
     "on_gpu",
     "prepare_routes",
     "validate_inputs",
@@ -42,17 +51,6 @@ _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 _INT32 = np.iinfo(np.int32)
 
 
-class UnsupportedDtype(NotImplementedError, TypeError):
-    """A dtype the contract allows but this implementation's kernels do not take (float64 for
-    the GPU kernels): a TypeError, as the contract has it for a dtype a fast path does not
-    take, and a NotImplementedError, so the dispatcher moves on to the next implementation."""
-
-
-class UnsupportedShape(NotImplementedError, ValueError):
-    """A shape the contract allows but this implementation's kernels do not take (head dim
-    > 256): a ValueError and, for the dispatcher, a NotImplementedError."""
-
-
 @dataclass(frozen=True)
 class Validated:
     """What :func:`validate_inputs` established: the sizes and the scale."""
@@ -61,10 +59,41 @@ class Validated:
     scale: float
 
 
+def dtype_name(dtype: Any) -> str:
+    """A dtype as the contract names it (numpy's spelling: ``float32``, ``bfloat16``)."""
+    return np.dtype(dtype).name
+
+
 def _check_route_dtype(dtype: Any) -> None:
-    dtype = np.dtype(dtype)
-    if dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
-        raise TypeError(f"selected_token_ids must be signed int32 or int64, got {dtype}")
+    check_route_dtype(dtype_name(dtype))
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+def resolve_deterministic(deterministic: bool | None) -> bool:
+    """The dispatchers' ``deterministic``: a bool as given; None means True where
+    ``XLA_FLAGS`` asks XLA:GPU for deterministic ops (:func:`xla_gpu_deterministic`, the
+    JAX counterpart of ``torch.use_deterministic_algorithms``), else False.
+
+    Raises:
+        InvalidDtype: neither a bool nor None.
+    """
+    if check_bool_or_none("deterministic", deterministic) is None:
+        return xla_gpu_deterministic()
+    return deterministic
+
+
+# XLA flags under which XLA:GPU's scatter-add (the reference's backward) is deterministic
+DETERMINISTIC_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_exclude_nondeterministic_ops=true")
+
+
+def xla_gpu_deterministic() -> bool:
+    """Whether ``XLA_FLAGS`` (in this process's environment, read at the call; XLA itself
+    reads it once, when its GPU backend starts) asks XLA:GPU for deterministic ops."""
+    flags = os.environ.get("XLA_FLAGS", "").lower().split()
+    return any(flag in flags for flag in DETERMINISTIC_XLA_FLAGS)
 
 
 def prepare_routes(selected_token_ids: Any) -> Any:
@@ -77,16 +106,13 @@ def prepare_routes(selected_token_ids: Any) -> Any:
     is on, in which case they are compared in int64).
 
     Raises:
-        TypeError: for unsigned, floating or boolean routes.
+        InvalidDtype: for non-arrays and unsigned, floating or boolean routes.
     """
     if isinstance(selected_token_ids, jax.Array):
         _check_route_dtype(selected_token_ids.dtype)
         return selected_token_ids
-    if not hasattr(selected_token_ids, "dtype") or not hasattr(selected_token_ids, "shape"):
-        raise TypeError(
-            "selected_token_ids must be an array, got "
-            f"{type(selected_token_ids).__name__}"
-        )
+    if not _is_array(selected_token_ids):
+        raise not_an_array("selected_token_ids", selected_token_ids)
     host = np.asarray(selected_token_ids)
     _check_route_dtype(host.dtype)
     if host.dtype == np.int64 and not jax.config.jax_enable_x64:
@@ -154,27 +180,25 @@ def validate_inputs(
     Works on concrete arrays and on tracers (device checks apply to concrete
     ``jax.Array`` inputs only).
 
+    The checks and messages are :mod:`qsa_common.contract`'s, in its order (arrays,
+    dtypes, shapes, devices, scale), so ``qsa_torch.validate_inputs`` raises the same
+    error for the same bad input.
+
     Raises:
-        TypeError: non-floating compute arrays (or outside ``dtypes``), key/value
+        InvalidDtype: (a TypeError) a non-array, non-floating compute arrays, key/value
             dtypes differing from query's, routes not signed int32/int64.
-        ValueError: wrong ranks or sizes, Hq % Hkv != 0, empty dimensions,
-            arrays committed to different devices, or a bad scale.
+        InvalidInput: (a ValueError) wrong ranks or sizes, Hq % Hkv != 0, empty
+            dimensions, arrays committed to different devices, or a bad scale.
+        UnsupportedDtype: (a TypeError) a floating dtype outside ``dtypes``.
     """
-    allowed = tuple(np.dtype(d) for d in dtypes)
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not hasattr(t, "dtype") or not hasattr(t, "shape"):
-            raise TypeError(f"{name} must be an array, got {type(t).__name__}")
-        if np.dtype(t.dtype) not in allowed:
-            names = ", ".join(str(d) for d in allowed)
-            raise TypeError(f"{name} must have a floating dtype in ({names}), got {t.dtype}")
-    for name, t in (("key", key), ("value", value)):
-        if np.dtype(t.dtype) != np.dtype(query.dtype):
-            raise TypeError(f"{name} dtype {t.dtype} differs from query dtype {query.dtype}")
-    if not hasattr(selected_token_ids, "dtype"):
-        raise TypeError(
-            f"selected_token_ids must be an array, got {type(selected_token_ids).__name__}"
-        )
-    _check_route_dtype(selected_token_ids.dtype)
+    for name, t in (("query", query), ("key", key), ("value", value),
+                    ("selected_token_ids", selected_token_ids)):
+        if not _is_array(t):
+            raise not_an_array(name, t)
+    check_dtypes(*(dtype_name(t.dtype) for t in (query, key, value, selected_token_ids)))
+    allowed = tuple(dtype_name(d) for d in dtypes)
+    if dtype_name(query.dtype) not in allowed:
+        raise UnsupportedDtype(f"this backend computes in {', '.join(allowed)} only, got {dtype_name(query.dtype)}")
     dims = check_shapes(
         tuple(query.shape), tuple(key.shape), tuple(value.shape), tuple(selected_token_ids.shape)
     )
@@ -182,10 +206,7 @@ def validate_inputs(
     for name, t in (("key", key), ("value", value), ("selected_token_ids", selected_token_ids)):
         devices = _devices(t)
         if query_devices is not None and devices is not None and devices != query_devices:
-            raise ValueError(
-                f"{name} is on {sorted(map(str, devices))} but query is on "
-                f"{sorted(map(str, query_devices))}"
-            )
+            raise device_mismatch(name, str(sorted(map(str, devices))), str(sorted(map(str, query_devices))))
     return Validated(dims, resolve_scale(softmax_scale, dims.head_dim))
 
 
@@ -197,7 +218,7 @@ def normalize_routes(selected_token_ids: jax.Array, kv_length: int, *, sort: boo
     ascending with -1 first; otherwise valid IDs keep their slots.
     """
     if not 0 < kv_length < 2**31:
-        raise ValueError(f"kv_length must be in [1, 2**31), got {kv_length}")
+        raise InvalidInput(f"kv_length must be in [1, 2**31), got {kv_length}")
     routes = jnp.asarray(selected_token_ids)
     _check_route_dtype(routes.dtype)
     valid = (routes >= 0) & (routes < kv_length)
@@ -244,3 +265,16 @@ def generate_problem(
     """
     problem = _layouts.make_problem(layout, route_family, seed=seed, seq_len=seq_len, **kwargs)
     return jnp.asarray(prepare_routes(problem.routes)), problem
+
+
+def check_routes(routes: Any, *, causal: bool = True, documents: Any = None, kv_length: int | None = None,
+                 query_offset: int | None = None) -> _route_check.RouteReport:
+    """Report out-of-range IDs (other than -1), routes to future tokens and routes crossing
+    documents: :func:`qsa_common.route_check.check_routes` on the host copies of
+    ``routes`` ``[B, S_q, K]`` and ``documents`` (per-token document ids ``[B, S_kv]`` or
+    ``[S_kv]``). A debugging aid: it copies device arrays to the host (not traceable
+    under ``jax.jit``); the attention functions never need it (out-of-range IDs are
+    padding there)."""
+    return _route_check.check_routes(np.asarray(routes), causal=causal,
+                                     documents=None if documents is None else np.asarray(documents),
+                                     kv_length=kv_length, query_offset=query_offset)

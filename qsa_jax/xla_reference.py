@@ -15,10 +15,25 @@ import jax
 import jax.numpy as jnp
 
 from qsa_common.contract import check_chunk_rows
+from qsa_common.errors import BackendDeclined, DeterminismUnavailable
 
-from .routes import normalize_routes, prepare_routes, validate_inputs
+from .routes import DETERMINISTIC_XLA_FLAGS, normalize_routes, on_gpu, prepare_routes, validate_inputs, xla_gpu_deterministic
 
-__all__ = ["reference_sparse_gqa_attention"]
+__all__ = ["reference_sparse_gqa_attention", "supports"]
+
+
+def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
+             deterministic: bool = False) -> BackendDeclined | None:
+    """Why the reference cannot take these (valid) inputs, or None: it takes every
+    input of the contract; ``deterministic=True`` on GPUs needs XLA's deterministic
+    scatter-add (:data:`~qsa_jax.routes.DETERMINISTIC_XLA_FLAGS` in ``XLA_FLAGS``), as
+    its backward scatter-adds the gather's gradient there. Deterministic on CPU."""
+    del key, value, selected_token_ids, softmax_scale
+    if deterministic and on_gpu(query) and not xla_gpu_deterministic():
+        return DeterminismUnavailable(
+            "deterministic=True: the reference's backward scatter-adds on the GPU, which XLA makes deterministic "
+            f"only with {' or '.join(DETERMINISTIC_XLA_FLAGS)} in XLA_FLAGS")
+    return None
 
 _CHUNK_ELEMENTS = 1 << 25
 
@@ -98,8 +113,8 @@ def reference_sparse_gqa_attention(
         ``[B, S_q, Hq, D]`` in query's dtype; rows without routes are exactly 0
         and add nothing to any gradient. Accumulation is fp32 (f64 for f64).
     """
+    checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
     routes = prepare_routes(selected_token_ids)
-    checked = validate_inputs(query, key, value, routes, softmax_scale)
     dims = checked.dims
     if chunk_rows is None:
         per_row = dims.batch * dims.routes_per_query * dims.kv_heads * dims.head_dim

@@ -5,20 +5,31 @@ The function is registered as the ``torch.library`` custom op
 runs under ``torch.compile(fullgraph=True)`` as one opaque node and never
 breaks the graph, whatever the backend does inside.
 
-Backend choice (``backend="auto"``) happens in Python before any op runs:
+Backend choice (``backend="auto"``, or ``None``) happens in Python before any op runs:
 :func:`candidate_backends` lists, per device class, the backends to try. Their
 order is :data:`PREFERENCE` (fastest first, as measured), except that backends
 whose numerics a recorded GPU run verified on this device class (:data:`VERIFIED`)
 come first, then those verified on another GPU class, then those never verified
-on a GPU; the torch reference ends every list. Backends whose
-:func:`unsupported_reason` is not ``None`` for the inputs are skipped, each with
-its reason logged on the ``"qsa_torch"`` logger (INFO the first time a reason is
-seen, DEBUG afterwards). In eager mode, a backend whose forward raises
-ImportError, NotImplementedError or ``torch.OutOfMemoryError`` is logged and the
-next one runs (the reference always answers); under ``torch.compile`` the first
-supported backend is traced and its errors propagate. A backend named explicitly
-runs without fallback. Either way the op records the concrete backend, and the
-backward uses that one: it never resolves ``"auto"`` a second time.
+on a GPU; the torch reference ends every list. Each backend module states its own
+limits in ``supports(query, key, value, selected_token_ids, *, softmax_scale,
+deterministic)``, which returns the :class:`~qsa_common.errors.BackendDeclined` it
+would raise, or None; the dispatcher asks it and keeps no copy of any limit.
+
+Fallback rules (the same as ``qsa_jax.sparse_gqa_attention(implementation=None)``'s):
+a backend that declines, in ``supports`` or while it runs, with a
+:class:`~qsa_common.errors.BackendDeclined` (a plain ``ImportError`` counts as
+:class:`~qsa_common.errors.MissingRuntime`, and marks the backend broken for the
+process) is logged on the ``"qsa_torch"`` logger (INFO the first time a reason is
+seen, DEBUG afterwards; WARNING for a failure while running) and the next one is
+tried. Bad input (:class:`~qsa_common.errors.InvalidInput`,
+:class:`~qsa_common.errors.InvalidDtype`) is raised before any backend runs, and any
+other error, ``torch.OutOfMemoryError`` included, propagates at once: a fallback would
+hide the size of the problem. When every candidate declined:
+:class:`~qsa_common.errors.NoBackendAvailable` with every reason. Under
+``torch.compile`` the first backend whose ``supports`` accepts is traced and its errors
+propagate. A backend named explicitly raises its own decline. Either way the op records
+the concrete backend, and the backward uses that one: it never resolves ``"auto"`` a
+second time.
 
 A backend running on a device class where it is not verified warns once per
 process (:class:`qsa_torch.routes.UnverifiedBackendWarning`); on Blackwell (SM100)
@@ -28,36 +39,39 @@ Backward cost: the Triton backend goes through a second op pair,
 ``qsa::triton_sparse_gqa_attention`` and its backward, whose forward returns the
 output with the kernel's residuals (LSE and tile unions); the backward uses them,
 so forward+backward costs what the backend's own autograd costs. Every other
-backend goes through ``qsa::sparse_gqa_attention``, which saves only its inputs:
-its backward op runs the same backend's forward again under autograd and asks
-torch for the gradients (two forwards plus one backward; memory between the passes
-is only the inputs).
+backend (and Triton when ``deterministic`` differs from
+``torch.are_deterministic_algorithms_enabled()``, which that pair's backward reads)
+goes through ``qsa::sparse_gqa_attention``, which saves only its inputs: its backward
+op runs the same backend's forward again under autograd and asks torch for the
+gradients (two forwards plus one backward; memory between the passes is only the
+inputs).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import importlib.util
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
+from qsa_common.errors import BackendDeclined, InvalidInput, MissingRuntime, as_declined, no_backend_available
 from qsa_common.log_once import log_once
-from qsa_triton.launch import interprets as _triton_interprets
 
-from .routes import ProblemDims, validate_inputs, warn_unverified
+from ._private_api import autograd_enabled
+from .routes import resolve_deterministic, validate_inputs, warn_unverified
 
 __all__ = [
+    "ALIASES",
     "BACKENDS",
     "PREFERENCE",
     "VERIFIED",
+    "backend_declines",
     "candidate_backends",
     "device_class",
     "sparse_gqa_attention",
-    "unsupported_reason",
 ]
 
 logger = logging.getLogger("qsa_torch")
@@ -86,37 +100,33 @@ VERIFIED: dict[str, frozenset[str] | None] = {
 }
 
 ROUTE_FORMATS = ("any", "qsa")
+# other spellings accepted for ``backend`` (docs/api-names.md)
+ALIASES: dict[str | None, str] = {None: "auto"}
 
 
 @dataclass(frozen=True)
 class _Backend:
-    """Where a backend's public function lives (imported on first use)."""
+    """Where a backend lives: its module (with ``supports``) and public function."""
 
     module: str
     function: str
-    dtypes: tuple[torch.dtype, ...]
-    deterministic_backward: bool
+    takes_deterministic: bool = False  # the function has a ``deterministic`` argument
 
 
-_HALF_AND_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS: dict[str, _Backend] = {
-    "reference": _Backend("qsa_torch.reference", "reference_sparse_gqa_attention",
-                          _HALF_AND_FLOAT + (torch.float64,), True),
-    "flex": _Backend("qsa_torch.flex_qsa", "flex_sparse_gqa_attention", _HALF_AND_FLOAT, True),
-    "fa4": _Backend("qsa_torch.fa4_qsa", "fa4_sparse_gqa_attention", (torch.bfloat16,), False),
-    "cudnn": _Backend("qsa_torch.cudnn_qsa", "cudnn_sparse_gqa_attention", (torch.bfloat16,), False),
-    "triton": _Backend("qsa_torch.triton_qsa", "triton_sparse_gqa_attention", _HALF_AND_FLOAT, True),
+    "reference": _Backend("qsa_torch.reference", "reference_sparse_gqa_attention"),
+    "flex": _Backend("qsa_torch.flex_qsa", "flex_sparse_gqa_attention"),
+    "fa4": _Backend("qsa_torch.fa4_qsa", "fa4_sparse_gqa_attention"),
+    "cudnn": _Backend("qsa_torch.cudnn_qsa", "cudnn_sparse_gqa_attention"),
+    "triton": _Backend("qsa_torch.triton_qsa", "triton_sparse_gqa_attention", True),
 }
 
-# Optional runtime of each backend, checked with find_spec (no import).
-_RUNTIME = {"flex": "torch.nn.attention.flex_attention", "fa4": "flash_attn",
-            "cudnn": "cudnn", "triton": "triton"}
-_CUDNN_HEADS = ((24, 2), (12, 1))
-_CUDNN_MAX_WIDTH = 2052
-
-# Backends whose module or runtime failed to import, with the reason (not retried).
-_BROKEN: dict[str, str] = {}
+# Backends whose runtime failed to import or load, with the decline (not retried by "auto").
+_BROKEN: dict[str, BackendDeclined] = {}
 _LOGGED: set[str] = set()
+# Imported backend modules: filled eagerly below for the built-in backends, so that
+# dynamo, tracing "auto", reads a dict instead of tracing importlib.
+_MODULES: dict[str, ModuleType] = {}
 
 
 def _log(message: str, level: int = logging.INFO) -> None:
@@ -151,76 +161,6 @@ def _verified_tier(name: str, cls: str) -> int:
     return 1 if any(c != "cpu" for c in classes) else 2
 
 
-def _find_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a parent package is missing or broken
-        return False
-
-
-# Whether each optional runtime is installed, looked up once here (find_spec imports
-# nothing but parent packages, all already loaded): dynamo cannot trace importlib (a
-# graph break in "auto" under torch.compile with torch 2.11), a dict it can.
-_RUNTIME_PRESENT: dict[str, bool] = {runtime: _find_module(runtime) for runtime in _RUNTIME.values()}
-
-
-def _has_module(name: str) -> bool:
-    if name not in _RUNTIME_PRESENT:  # pragma: no cover - every runtime is looked up above
-        _RUNTIME_PRESENT[name] = _find_module(name)
-    return _RUNTIME_PRESENT[name]
-
-
-def unsupported_reason(
-    name: str,
-    dims: ProblemDims,
-    device: torch.device,
-    dtype: torch.dtype,
-    *,
-    needs_grad: bool,
-    route_format: str = "any",
-) -> str | None:
-    """Why backend ``name`` cannot run these inputs, or ``None`` if it can.
-
-    Checks only what is known without touching device data: device kind and
-    compute capability, dtype, head sizes, layout (S_q vs S_kv), route format
-    promise, the optional runtime's presence, and deterministic-algorithm mode.
-    """
-    spec = BACKENDS[name]
-    if name in _BROKEN:
-        return _BROKEN[name]
-    cls = device_class(device)
-    if name == "fa4" and cls != "sm90":
-        return "needs an SM90 (Hopper) GPU"
-    if name == "cudnn" and cls != "sm100":
-        return "needs an SM100/SM103 (Blackwell) GPU"
-    if name == "cudnn" and route_format != "qsa":
-        return "accepts QSA-format routes only (pass route_format='qsa' to allow it)"
-    if name == "triton" and cls == "cpu" and not _triton_interprets():
-        return "needs a CUDA device (or TRITON_INTERPRET=1 set before its kernels are imported)"
-    if name == "flex" and cls == "cpu" and needs_grad:
-        return "FlexAttention has no CPU backward"
-    if dtype not in spec.dtypes:
-        return f"computes in {', '.join(str(d) for d in spec.dtypes)} only, got {dtype}"
-    runtime = _RUNTIME.get(name)
-    if runtime is not None and not _has_module(runtime):
-        return f"optional runtime {runtime!r} is not installed"
-    if needs_grad and not spec.deterministic_backward and torch.are_deterministic_algorithms_enabled():
-        return "its backward is not deterministic and deterministic algorithms are on"
-    if name == "triton" and dims.head_dim > 256:
-        return f"head dim must be <= 256, got {dims.head_dim}"
-    if name == "fa4" and dims.head_dim != 256:
-        return f"head dim must be 256, got {dims.head_dim}"
-    if name == "cudnn":
-        heads = (dims.query_heads, dims.kv_heads)
-        if heads not in _CUDNN_HEADS or dims.head_dim != 256:
-            return f"needs (Hq, Hkv) in {_CUDNN_HEADS} and D = 256, got {heads} and D = {dims.head_dim}"
-        if dims.routes_per_query > _CUDNN_MAX_WIDTH:
-            return f"route width must be <= {_CUDNN_MAX_WIDTH}, got {dims.routes_per_query}"
-        if dims.query_length != dims.kv_length:
-            return "no context-parallel layout (S_q != S_kv)"
-    return None
-
-
 def candidate_backends(device: torch.device) -> tuple[str, ...]:
     """The backends ``"auto"`` tries on ``device``, in order (reference last).
 
@@ -233,14 +173,42 @@ def candidate_backends(device: torch.device) -> tuple[str, ...]:
     return tuple(dict.fromkeys(ordered + ["reference"]))
 
 
-def _load(name: str) -> Callable[..., torch.Tensor]:
-    spec = BACKENDS[name]
-    try:
-        module = importlib.import_module(spec.module)
-        return getattr(module, spec.function)
-    except ImportError as err:
-        _BROKEN[name] = f"import of {spec.module} failed: {err}"
-        raise
+def _module(name: str) -> ModuleType:
+    """Backend ``name``'s module (imported on first use).
+
+    Raises:
+        MissingRuntime: the module failed to import.
+    """
+    module = _MODULES.get(name)
+    if module is None:
+        spec = BACKENDS[name]
+        try:
+            module = importlib.import_module(spec.module)
+        except ImportError as err:
+            raise MissingRuntime(f"import of {spec.module} failed: {err}") from err
+        _MODULES[name] = module
+    return module
+
+
+for _name in BACKENDS:  # the built-in backends import no optional runtime at import
+    _module(_name)
+del _name
+
+
+def backend_declines(name: str, query, key, value, selected_token_ids, *, softmax_scale=None,
+                     deterministic: bool = False, route_format: str = "any") -> BackendDeclined | None:
+    """Why backend ``name`` declines these (validated) inputs under ``"auto"``, or None:
+    a runtime that failed before, a route format the caller did not promise (the
+    module's ``ROUTE_FORMAT``), or what the module's ``supports`` returns. Reads
+    no device data."""
+    if name in _BROKEN:
+        return _BROKEN[name]
+    module = _module(name)
+    needed = getattr(module, "ROUTE_FORMAT", "any")
+    if needed != "any" and route_format != needed:
+        return BackendDeclined(f"accepts {needed!r}-format routes only (pass route_format={needed!r} to allow it)")
+    return module.supports(query, key, value, selected_token_ids, softmax_scale=softmax_scale,
+                           deterministic=deterministic)
 
 
 def _prepare(name: str, device: torch.device) -> Callable[..., torch.Tensor]:
@@ -248,36 +216,15 @@ def _prepare(name: str, device: torch.device) -> Callable[..., torch.Tensor]:
     cls = device_class(device)
     if not _verified_on(name, cls):
         warn_unverified(name, cls)
-    return _load(name)
+    spec = BACKENDS[name]
+    return getattr(_module(name), spec.function)
 
 
-# what "auto" falls back on when a backend raises it
-_FALLBACK_ERRORS = (ImportError, NotImplementedError, torch.OutOfMemoryError)
-
-
-def _note_failure(name: str, err: Exception) -> None:
-    """Log that backend ``name`` raised ``err`` under "auto"; an ImportError marks it broken."""
-    if isinstance(err, ImportError):  # a missing runtime stays missing: do not retry
-        _BROKEN[name] = f"its runtime failed to import: {err}"
-    _log(f"sparse_gqa_attention: backend {name!r} failed ({type(err).__name__}: {err}); "
-         "falling back", logging.WARNING)
-
-
-@contextlib.contextmanager
-def _autograd_enabled() -> Iterator[None]:
-    """Turn autograd back on inside a custom op's implementation.
-
-    The dispatcher runs op implementations below the Autograd keys (they are in
-    the thread's excluded key set), so tensors created there never record a
-    graph. The backward op recomputes the forward and needs that graph.
-    """
-    keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
-            torch._C.DispatchKey.AutogradNestedTensor)
-    with contextlib.ExitStack() as stack:
-        for key in keys:
-            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
-        stack.enter_context(torch.enable_grad())
-        yield
+def _bound(name: str, device: torch.device, deterministic: bool) -> Callable[..., torch.Tensor]:
+    fn = _prepare(name, device)
+    if BACKENDS[name].takes_deterministic:
+        return lambda *args: fn(*args, deterministic=deterministic)
+    return fn
 
 
 @torch.library.custom_op("qsa::sparse_gqa_attention", mutates_args=())
@@ -288,16 +235,17 @@ def _forward_op(
     selected_token_ids: torch.Tensor,
     softmax_scale: float,
     backend: str,
+    deterministic: bool,
 ) -> torch.Tensor:
     """Backend ``backend`` (a name of :data:`BACKENDS`, never "auto") on the inputs."""
-    fn = _prepare(backend, query.device)
+    fn = _bound(backend, query.device, deterministic)
     out = fn(query, key, value, selected_token_ids, softmax_scale).contiguous()
     logger.debug("sparse_gqa_attention: ran backend %r", backend)
     return out
 
 
 @_forward_op.register_fake
-def _forward_fake(query, key, value, selected_token_ids, softmax_scale, backend):
+def _forward_fake(query, key, value, selected_token_ids, softmax_scale, backend, deterministic):
     return query.new_empty(query.shape)
 
 
@@ -310,10 +258,11 @@ def _backward_op(
     selected_token_ids: torch.Tensor,
     softmax_scale: float,
     backend: str,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of backend ``backend`` (the forward's): its forward again under autograd."""
-    fn = _prepare(backend, query.device)
-    with _autograd_enabled():
+    fn = _bound(backend, query.device, deterministic)
+    with autograd_enabled():
         leaves = [t.detach().requires_grad_() for t in (query, key, value)]
         out = fn(*leaves, selected_token_ids, softmax_scale)
         grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
@@ -325,54 +274,47 @@ def _backward_op(
 
 
 @_backward_op.register_fake
-def _backward_fake(grad_out, query, key, value, selected_token_ids, softmax_scale, backend):
+def _backward_fake(grad_out, query, key, value, selected_token_ids, softmax_scale, backend, deterministic):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, routes, scale, backend = inputs
+    query, key, value, routes, scale, backend, deterministic = inputs
     ctx.save_for_backward(query, key, value, routes)
-    ctx.scale, ctx.backend = scale, backend
+    ctx.scale, ctx.backend, ctx.deterministic = scale, backend, deterministic
 
 
 def _backward(ctx, grad_out):
     query, key, value, routes = ctx.saved_tensors
-    dq, dk, dv = _backward_op(grad_out, query, key, value, routes, ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = _backward_op(grad_out, query, key, value, routes, ctx.scale, ctx.backend, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _first_supported(device: torch.device, dtype: torch.dtype, sizes: tuple, needs_grad: bool,
-                     route_format: str) -> str:
-    """The backend ``"auto"`` would try first (static checks only). ``sizes`` =
-    (B, S_q, S_kv, Hq, Hkv, D, K). Under torch.compile dynamo evaluates it while
-    tracing (no graph break: tests/test_torch_api.py checks it)."""
-    return _supported(device, dtype, sizes, needs_grad, route_format, log=False)[0]
-
-
-def _supported(device: torch.device, dtype: torch.dtype, sizes: tuple, needs_grad: bool,
-               route_format: str, *, log: bool) -> list[str]:
-    """The backends ``"auto"`` may run, in order (static checks; the reference ends it)."""
-    dims = ProblemDims(*sizes)
-    names = []
-    for name in candidate_backends(device):
-        reason = unsupported_reason(name, dims, device, dtype, needs_grad=needs_grad,
-                                    route_format=route_format)
-        if reason is None:
+def _candidates(query, key, value, routes, scale: float, deterministic: bool, route_format: str,
+                *, log: bool) -> tuple[list[str], dict[str, BackendDeclined]]:
+    """The backends ``"auto"`` may run, in order, and the declines of the others."""
+    names, reasons = [], {}
+    for name in candidate_backends(query.device):
+        declined = backend_declines(name, query, key, value, routes, softmax_scale=scale,
+                                    deterministic=deterministic, route_format=route_format)
+        if declined is None:
             names.append(name)
-        elif log:
-            _log(f"sparse_gqa_attention: skipping backend {name!r}: {reason}")
-    return names or ["reference"]
+        else:
+            reasons[name] = declined
+            if log:
+                _log(f"sparse_gqa_attention: skipping backend {name!r}: {declined}")
+    return names, reasons
 
 
-def _call(name: str, query, key, value, routes, scale: float) -> torch.Tensor:
+def _call(name: str, query, key, value, routes, scale: float, deterministic: bool) -> torch.Tensor:
     if name == "triton":  # its own op pair keeps LSE and unions for the backward
         from . import triton_qsa
 
-        return triton_qsa.checked_attention(query, key, value, routes, scale)
-    return _forward_op(query, key, value, routes, scale, name)
+        return triton_qsa.checked_attention(query, key, value, routes, scale, deterministic=deterministic)
+    return _forward_op(query, key, value, routes, scale, name, deterministic)
 
 
 def sparse_gqa_attention(
@@ -382,7 +324,8 @@ def sparse_gqa_attention(
     selected_token_ids: torch.Tensor,
     softmax_scale: float | None = None,
     *,
-    backend: str = "auto",
+    backend: str | None = "auto",
+    deterministic: bool | None = None,
     route_format: str = "any",
 ) -> torch.Tensor:
     """Route-sparse GQA through the best available backend (``qsa::sparse_gqa_attention``).
@@ -394,9 +337,12 @@ def sparse_gqa_attention(
             (global K/V coordinates); anything else is padding, duplicates count once.
         softmax_scale: finite positive scale, default ``1/sqrt(D)``; passed to the op
             as a float.
-        backend: ``"auto"`` (see the module docstring, :data:`PREFERENCE` and
-            :data:`VERIFIED`) or one of ``"reference"``, ``"flex"``, ``"fa4"``,
+        backend: ``"auto"`` or ``None`` (see the module docstring, :data:`PREFERENCE`
+            and :data:`VERIFIED`) or one of ``"reference"``, ``"flex"``, ``"fa4"``,
             ``"cudnn"``, ``"triton"``.
+        deterministic: bitwise-reproducible gradients from run to run; backends whose
+            backward cannot give them decline. None (default) follows
+            ``torch.are_deterministic_algorithms_enabled()``.
         route_format: ``"qsa"`` promises that the routes follow the QSA route format
             (four-token blocks plus the causal tail, docs/contract.md), which lets ``"auto"``
             consider the cuDNN backend (it gives wrong answers for other route sets);
@@ -408,34 +354,45 @@ def sparse_gqa_attention(
         through the backend that ran the forward.
 
     Raises:
-        ValueError: unknown ``backend`` / ``route_format``, or the contract's shape,
-            device and scale checks.
-        TypeError: the contract's dtype checks.
-        RuntimeError: anything the explicitly named backend raises (RuntimeError for an
-            unsupported GPU, ImportError for a missing runtime, ...); under
-            ``torch.compile``, also what the backend ``"auto"`` chose raises.
+        InvalidInput / InvalidDtype: (ValueError / TypeError) the contract's checks
+            (:mod:`qsa_common.contract`); an unknown ``backend`` / ``route_format``; a
+            ``deterministic`` neither bool nor None.
+        BackendDeclined: the explicitly named backend declined (its subclass says why).
+        NoBackendAvailable: every ``"auto"`` candidate declined; ``reasons`` holds each.
+        Anything else a backend raises (``torch.OutOfMemoryError`` included).
     """
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-    if route_format not in ROUTE_FORMATS:
-        raise ValueError(f"route_format must be one of {ROUTE_FORMATS}, got {route_format!r}")
     checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
-    args = (query, key, value, selected_token_ids, checked.scale)
+    deterministic = resolve_deterministic(deterministic)
+    backend = ALIASES.get(backend, backend)
+    if backend != "auto" and backend not in BACKENDS:
+        raise InvalidInput(f"backend must be 'auto', None or one of {sorted(BACKENDS)}, got {backend!r}")
+    if route_format not in ROUTE_FORMATS:
+        raise InvalidInput(f"route_format must be one of {ROUTE_FORMATS}, got {route_format!r}")
+    args = (query, key, value, selected_token_ids, checked.scale, deterministic)
     if backend != "auto":
-        return _call(backend, *args)
-    needs_grad = torch.is_grad_enabled() and (
-        query.requires_grad or key.requires_grad or value.requires_grad
-    )
-    d = checked.dims
-    sizes = (d.batch, d.query_length, d.kv_length, d.query_heads, d.kv_heads, d.head_dim,
-             d.routes_per_query)
+        declined = _module(backend).supports(query, key, value, selected_token_ids, softmax_scale=checked.scale,
+                                             deterministic=deterministic)
+        if declined is not None:
+            raise declined
+        try:
+            return _call(backend, *args)
+        except ImportError as err:  # read as MissingRuntime, as under "auto"
+            if isinstance(err, MissingRuntime):
+                raise
+            raise as_declined(err) from err
+    names, reasons = _candidates(*args, route_format, log=not torch.compiler.is_compiling())
     if torch.compiler.is_compiling():  # one traced choice; its errors propagate
-        return _call(_first_supported(query.device, query.dtype, sizes, needs_grad, route_format),
-                     *args)
-    names = _supported(query.device, query.dtype, sizes, needs_grad, route_format, log=True)
-    for name in names[:-1]:
+        if not names:
+            raise no_backend_available(reasons)
+        return _call(names[0], *args)
+    for name in names:
         try:
             return _call(name, *args)
-        except _FALLBACK_ERRORS as err:
-            _note_failure(name, err)
-    return _call(names[-1], *args)
+        except (BackendDeclined, ImportError) as err:
+            declined = as_declined(err)
+            reasons[name] = declined
+            if isinstance(declined, MissingRuntime):  # a missing runtime stays missing: do not retry
+                _BROKEN[name] = declined
+            _log(f"sparse_gqa_attention: backend {name!r} failed ({type(err).__name__}: {err}); "
+                 "falling back", logging.WARNING)
+    raise no_backend_available(reasons)

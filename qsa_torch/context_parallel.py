@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from qsa_common.errors import InvalidInput
+
 from .api import sparse_gqa_attention
 from .routes import validate_inputs
 
@@ -133,36 +135,43 @@ def gather_sequence(local: torch.Tensor, dim: int = 1, group=None) -> torch.Tens
 
 
 def context_parallel_sparse_gqa_attention(
-    query_local: torch.Tensor,
-    key_local: torch.Tensor,
-    value_local: torch.Tensor,
-    selected_token_ids_local: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    selected_token_ids: torch.Tensor,
     softmax_scale: float | None = None,
     *,
     group=None,
-    backend: str = "auto",
+    backend: str | None = "auto",
+    deterministic: bool | None = None,
     attention_fn: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Route-sparse GQA with the sequence split over the ranks of ``group``.
 
+    The arguments are named and ordered as ``qsa_jax.context_parallel_sparse_gqa_attention``'s
+    (docs/api-names.md): the four arrays, the scale, then where the sequence is split
+    (``group`` here, ``mesh``/``axis_name`` there), the backend, ``deterministic``, and
+    each framework's extras. Unlike JAX's global arrays, each rank passes its local slices.
+
     Args:
-        query_local: ``[B, S_q_local, Hq, D]``, this rank's query rows.
-        key_local, value_local: ``[B, S_kv_local, Hkv, D]``, this rank's K/V rows;
+        query: ``[B, S_q_local, Hq, D]``, this rank's query rows.
+        key, value: ``[B, S_kv_local, Hkv, D]``, this rank's K/V rows;
             the same shape on every rank; rank r holds global rows
             ``r * S_kv_local .. (r+1) * S_kv_local - 1``.
-        selected_token_ids_local: ``[B, S_q_local, K]`` routes of the local rows
+        selected_token_ids: ``[B, S_q_local, K]`` routes of the local rows
             in global K/V coordinates ``[0, world * S_kv_local)``.
         softmax_scale: finite positive scale, default ``1/sqrt(D)``.
         group: process group (default: the world).
-        backend: the :func:`qsa_torch.sparse_gqa_attention` backend, ``"auto"`` by
-            default (resolved once, in the forward; the backward uses the same one).
+        backend: the :func:`qsa_torch.sparse_gqa_attention` backend, ``"auto"`` (or
+            None) by default (resolved once, in the forward; the backward uses the same one).
+        deterministic: :func:`qsa_torch.sparse_gqa_attention`'s.
         attention_fn: ``fn(query, key, value, routes, scale)`` accepting
             ``S_q != S_kv``, used instead of ``sparse_gqa_attention``; then
-            ``backend`` must stay ``"auto"``.
+            ``backend`` must stay ``"auto"`` and ``deterministic`` None.
 
     Returns:
-        ``[B, S_q_local, Hq, D]`` local output. Gradients reach ``query_local``,
-        ``key_local`` and ``value_local`` (dK/dV reduce-scattered across ranks).
+        ``[B, S_q_local, Hq, D]`` local output. Gradients reach ``query``,
+        ``key`` and ``value`` (dK/dV reduce-scattered across ranks).
 
     Every rank's inputs are checked before any data moves, in one small collective (on
     NCCL, read on the host: one synchronisation per call): where one rank's inputs break
@@ -176,18 +185,19 @@ def context_parallel_sparse_gqa_attention(
             ``backend`` and ``attention_fn`` given.
         TypeError: local inputs that break the contract.
     """
-    if attention_fn is not None and backend != "auto":
-        raise ValueError(f"pass backend ({backend!r}) or attention_fn, not both")
+    if attention_fn is not None and (backend not in ("auto", None) or deterministic is not None):
+        raise InvalidInput(f"pass backend ({backend!r}) / deterministic ({deterministic!r}) or attention_fn, "
+                           "not both")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("context_parallel_sparse_gqa_attention needs an initialised torch.distributed")
     try:
-        validate_inputs(query_local, key_local, value_local, selected_token_ids_local, softmax_scale)
+        validate_inputs(query, key, value, selected_token_ids, softmax_scale)
         error = None
     except (TypeError, ValueError) as err:
         error = err
-    _agree_across_ranks([key_local, value_local], "context_parallel_sparse_gqa_attention", error, group)
-    kv = _GatherSequence.apply(torch.stack([key_local, value_local]), 2, group)
+    _agree_across_ranks([key, value], "context_parallel_sparse_gqa_attention", error, group)
+    kv = _GatherSequence.apply(torch.stack([key, value]), 2, group)
     if attention_fn is not None:
-        return attention_fn(query_local, kv[0], kv[1], selected_token_ids_local, softmax_scale)
-    return sparse_gqa_attention(query_local, kv[0], kv[1], selected_token_ids_local, softmax_scale,
-                                backend=backend)
+        return attention_fn(query, kv[0], kv[1], selected_token_ids, softmax_scale)
+    return sparse_gqa_attention(query, kv[0], kv[1], selected_token_ids, softmax_scale, backend=backend,
+                                deterministic=deterministic)

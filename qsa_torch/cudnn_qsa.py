@@ -29,15 +29,24 @@ The runtime is imported on first use (:func:`_load_cudnn`), never when ``qsa_tor
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .routes import (ProblemDims, check_deterministic_backward, dense_aligned, refuse_nondeterministic_backward,
-                     validate_inputs, validate_routes, warn_unverified)
+from qsa_common.errors import (BackendDeclined, DeterminismUnavailable, InvalidInput, MissingRuntime,
+                               UnsupportedDevice, UnsupportedDtype, UnsupportedShape)
 
-__all__ = ["cudnn_sparse_gqa_attention"]
+from .routes import (ProblemDims, check_deterministic_backward, dense_aligned, dtype_name, needs_grad,
+                     refuse_nondeterministic_backward, validate_inputs, validate_routes, warn_unverified)
+
+__all__ = ["ROUTE_FORMAT", "cudnn_sparse_gqa_attention", "supports"]
+
+# The route format this backend needs (CONTRACT.md's QSA format): "auto" considers it
+# only when the caller promises it (``route_format="qsa"``); other route sets give
+# wrong answers here, not errors.
+ROUTE_FORMAT = "qsa"
 
 _SUPPORTED_HEADS = ((24, 2), (12, 1))
 _GROUP_QUERY_HEADS = 12
@@ -46,6 +55,17 @@ _MAX_WIDTH = 2052
 _SUPPORTED_CAPABILITIES = {(10, 0): "SM100", (10, 3): "SM103"}
 _GPU_REQUIREMENT = "an NVIDIA Blackwell SM100/SM103 GPU (B200, B300, GB200, GB300)"
 _INSTALL_HINT = "pip install 'nvidia-cudnn-frontend[cutedsl]>=1.32'"
+
+
+def _find(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package is missing or broken
+        return False
+
+
+# looked up once, at import (dynamo traces supports() under torch.compile: no importlib there)
+_HAS_RUNTIME = _find("cudnn")
 
 
 def _load_cudnn() -> tuple[Callable, Callable]:
@@ -63,7 +83,7 @@ def _load_cudnn() -> tuple[Callable, Callable]:
         forward = ops.qsa_indexed_forward
         backward = ops.qsa_indexed_backward
     except (ImportError, AttributeError, OSError) as error:
-        raise ImportError(
+        raise MissingRuntime(
             "cudnn_sparse_gqa_attention needs the cuDNN Frontend indexed QSA runtime "
             "(cudnn.ops.qsa_indexed_forward / qsa_indexed_backward, nvidia-cudnn-frontend "
             f">= 1.32 with the CuTe DSL): {_INSTALL_HINT}. Import failed with: {error!r}"
@@ -87,24 +107,24 @@ def _pack_indices(routes: torch.Tensor, sequence_length: int) -> torch.Tensor:
             equal ``routes.shape[1]``.
 
     Raises:
-        TypeError: routes not a signed int32/int64 tensor.
-        ValueError: routes not of rank 3, ``sequence_length`` not its second size, or
+        InvalidDtype: routes not a signed int32/int64 tensor.
+        InvalidInput: routes not of rank 3, ``sequence_length`` not its second size, or
             ``batch * sequence`` past the int32 range of packed coordinates.
     """
     validate_routes(routes)
     if routes.dim() != 3:
-        raise ValueError(
+        raise InvalidInput(
             f"selected_token_ids must have rank 3 [B, S, W], got shape {tuple(routes.shape)}"
         )
     batch, rows, width = (int(d) for d in routes.shape)
     if int(sequence_length) != rows:
-        raise ValueError(
+        raise InvalidInput(
             f"sequence_length {sequence_length} differs from selected_token_ids' "
             f"sequence size {rows}"
         )
     tokens = batch * rows
     if tokens >= 2**31:
-        raise ValueError(
+        raise InvalidInput(
             f"batch * sequence = {tokens} packed tokens exceed the int32 index range of "
             "the cuDNN indexed QSA kernels"
         )
@@ -119,10 +139,10 @@ def _pack_indices(routes: torch.Tensor, sequence_length: int) -> torch.Tensor:
     return out
 
 
-def _check_supported(dims: ProblemDims) -> None:
-    """ValueError for shapes the indexed kernels do not cover (heads, D, width, CP)."""
+def _shape_declined(dims: ProblemDims) -> UnsupportedShape | None:
+    """UnsupportedShape for sizes the indexed kernels do not cover (heads, D, width, CP)."""
     if dims.query_length != dims.kv_length:
-        raise ValueError(
+        return UnsupportedShape(
             "cudnn_sparse_gqa_attention needs query and key/value of one sequence length "
             f"(S_q == S_kv); got S_q={dims.query_length}, S_kv={dims.kv_length}. Context "
             "parallelism (local queries against gathered global K/V) is not supported by "
@@ -130,42 +150,80 @@ def _check_supported(dims: ProblemDims) -> None:
         )
     heads = (dims.query_heads, dims.kv_heads)
     if heads not in _SUPPORTED_HEADS:
-        raise ValueError(
+        return UnsupportedShape(
             f"cudnn_sparse_gqa_attention supports (query heads, key/value heads) in "
             f"{_SUPPORTED_HEADS}; query and key have {heads}"
         )
     if dims.head_dim != _HEAD_DIM:
-        raise ValueError(
+        return UnsupportedShape(
             f"cudnn_sparse_gqa_attention needs head dim {_HEAD_DIM} in query/key/value, "
             f"got {dims.head_dim}"
         )
     if not 1 <= dims.routes_per_query <= _MAX_WIDTH:
-        raise ValueError(
+        return UnsupportedShape(
             f"selected_token_ids width must be in [1, {_MAX_WIDTH}] for the cuDNN indexed "
             f"QSA kernels, got {dims.routes_per_query}"
         )
+    return None
 
 
-def _check_gpu(device: torch.device) -> None:
-    """The tensors must live on an SM100/SM103 GPU; checked before cuDNN is imported.
+def _check_supported(dims: ProblemDims) -> None:
+    """Raise :func:`_shape_declined`'s UnsupportedShape (a ValueError), if any."""
+    declined = _shape_declined(dims)
+    if declined is not None:
+        raise declined
 
-    Raises:
-        ValueError: the device is not a CUDA device.
-        RuntimeError: the CUDA device is not SM100/SM103.
-    """
+
+def _device_declined(device: torch.device) -> UnsupportedDevice | None:
+    """UnsupportedDevice unless ``device`` is an SM100/SM103 GPU (no cuDNN import)."""
     if device.type != "cuda":
-        raise ValueError(
+        return UnsupportedDevice(
             f"cudnn_sparse_gqa_attention needs CUDA tensors on {_GPU_REQUIREMENT}; "
             f"query is on {device}"
         )
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) not in _SUPPORTED_CAPABILITIES:
         name = torch.cuda.get_device_name(device)
-        raise RuntimeError(
+        return UnsupportedDevice(
             f"cudnn_sparse_gqa_attention requires {_GPU_REQUIREMENT}: the cuDNN indexed QSA "
             f"kernels run on compute capability 10.0 (SM100) or 10.3 (SM103) only; {device} "
             f"is {name} with compute capability {major}.{minor} (SM{major}{minor})"
         )
+    return None
+
+
+def _check_gpu(device: torch.device) -> None:
+    """The tensors must live on an SM100/SM103 GPU; checked before cuDNN is imported.
+
+    Raises:
+        UnsupportedDevice: (a RuntimeError) not a CUDA device, or not SM100/SM103.
+    """
+    declined = _device_declined(device)
+    if declined is not None:
+        raise declined
+
+
+def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
+             deterministic=False) -> BackendDeclined | None:
+    """Why the cuDNN indexed kernels cannot take these (valid) inputs, or None, in this
+    order without touching device data: not an SM100/SM103 GPU (UnsupportedDevice), not
+    bf16 (UnsupportedDtype), cuDNN Frontend absent (MissingRuntime), ``deterministic``
+    with gradients wanted (DeterminismUnavailable: fp32 atomics), heads, head dim, width
+    or S_q != S_kv outside the kernels (UnsupportedShape). The route format is the
+    caller's promise (:data:`ROUTE_FORMAT`), not checked here."""
+    del softmax_scale
+    declined = _device_declined(query.device)
+    if declined is not None:
+        return declined
+    if query.dtype != torch.bfloat16:
+        return UnsupportedDtype(f"the cuDNN indexed kernels compute in bfloat16 only; query is {dtype_name(query.dtype)}")
+    if not _HAS_RUNTIME:
+        return MissingRuntime(f"the cuDNN backend needs cuDNN Frontend, which is not installed: {_INSTALL_HINT}")
+    if deterministic and needs_grad(query, key, value):
+        return DeterminismUnavailable("the cuDNN backend's backward is not deterministic (fp32 atomics)")
+    b, s_q, hq, d = query.shape
+    dims = ProblemDims(b, s_q, key.shape[1], hq, key.shape[2], d, selected_token_ids.shape[-1])
+    return _shape_declined(dims)
 
 
 class _CudnnQSA(torch.autograd.Function):
@@ -276,22 +334,23 @@ def cudnn_sparse_gqa_attention(
         A new BF16 CUDA ``[B, S, Hq, 256]`` tensor; rows with no valid route are zero.
 
     Raises:
-        ValueError: wrong ranks, shapes or head counts, D != 256, W > 2052, S_q != S_kv
-            (CP layout), tensors on different or non-CUDA devices, a non-finite or
-            non-positive scale.
-        TypeError: compute tensors that are not BF16, routes that are not signed
-            int32/int64, a scale that is not a real number.
-        RuntimeError: a GPU other than SM100/SM103 (checked before cuDNN is called), or a
-            backward requested under ``torch.use_deterministic_algorithms(True)``.
-        ImportError: cuDNN Frontend >= 1.32 with its QSA runtime is not installed.
+        InvalidInput / InvalidDtype: the contract's checks.
+        UnsupportedDtype: compute tensors that are not BF16.
+        UnsupportedShape: (a ValueError) head counts, D != 256, W > 2052, S_q != S_kv.
+        DeterminismUnavailable: (a RuntimeError) a backward requested under
+            ``torch.use_deterministic_algorithms(True)``.
+        UnsupportedDevice: (a RuntimeError) not CUDA, or a GPU other than SM100/SM103
+            (checked before cuDNN is called).
+        MissingRuntime: (an ImportError) cuDNN Frontend >= 1.32 with its QSA runtime is
+            not installed.
 
     Warns:
         UnverifiedBackendWarning: once per process; no recorded run has checked this
             backend's numerics on any GPU.
     """
-    checked = validate_inputs(
-        query, key, value, selected_token_ids, softmax_scale, dtypes=(torch.bfloat16,)
-    )
+    checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
+    if query.dtype != torch.bfloat16:
+        raise UnsupportedDtype(f"the cuDNN indexed kernels compute in bfloat16 only; query is {dtype_name(query.dtype)}")
     dims = checked.dims
     _check_supported(dims)
     check_deterministic_backward("cudnn_qsa", query, key, value)

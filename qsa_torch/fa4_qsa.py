@@ -22,14 +22,31 @@ CUDA call, never when this module is imported.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 
-from .routes import ProblemDims, check_deterministic_backward, membership_table, validate_inputs
+from qsa_common.errors import (BackendDeclined, DeterminismUnavailable, MissingRuntime, UnsupportedDevice,
+                               UnsupportedDtype, UnsupportedShape)
+
+from .routes import ProblemDims, check_deterministic_backward, dtype_name, membership_table, needs_grad, validate_inputs
 from .routes import available_device_bytes as _available_bytes
 
-__all__ = ["fa4_sparse_gqa_attention"]
+__all__ = ["fa4_sparse_gqa_attention", "supports"]
+
+_INSTALL_HINT = "pip install flash-attn-4"
+
+
+def _find(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package is missing or broken
+        return False
+
+
+# looked up once, at import (dynamo traces supports() under torch.compile: no importlib there)
+_HAS_RUNTIME = _find("flash_attn")
 
 QUERY_BLOCK = 128  # query rows per tile: FA4's SM90 forward tile_m at head dim 256
 KEY_BLOCK = 64  # keys per tile: the only sparse KV block FA4 accepts at head dim 256
@@ -79,7 +96,7 @@ def _load_fa4():
         import cutlass as cutlass_module
         import cutlass.cute as cute
     except ImportError as exc:
-        raise ImportError(
+        raise MissingRuntime(
             "fa4_sparse_gqa_attention needs flash-attn-4 (the `flash_attn.cute` package and "
             "the CuTe DSL, nvidia-cutlass-dsl) on a CUDA machine with an SM90 GPU: "
             "pip install flash-attn-4"
@@ -200,7 +217,7 @@ def _chunks(batch: int, query_length: int, kv_length: int, limit: int | None = N
     are multiples of 128.
 
     Raises:
-        ValueError: a single 128-row tile row of the table exceeds ``limit``.
+        UnsupportedShape: a single 128-row tile row of the table exceeds ``limit``.
     """
     limit = _TABLE_LIMIT if limit is None else limit
     kv_pad = _ceil_div(kv_length, KEY_BLOCK) * KEY_BLOCK
@@ -211,7 +228,7 @@ def _chunks(batch: int, query_length: int, kv_length: int, limit: int | None = N
         return [(slice(b, min(b + step, batch)), rows_all) for b in range(0, batch, step)]
     rows = limit // kv_pad // QUERY_BLOCK * QUERY_BLOCK
     if rows == 0:
-        raise ValueError(
+        raise UnsupportedShape(
             f"key length {kv_length} is too long for the FA4 backend: one 128-row slice of "
             f"its membership table would exceed {limit} bytes"
         )
@@ -260,16 +277,45 @@ def _check_memory(dims: ProblemDims, needs_grad: bool, available_bytes: int | No
         )
 
 
-def _check_device(device: torch.device) -> None:
-    """ValueError off CUDA; RuntimeError on a GPU other than SM90."""
+def _device_declined(device: torch.device) -> UnsupportedDevice | None:
+    """UnsupportedDevice off CUDA or on a GPU other than SM90, else None."""
     if device.type != "cuda":
-        raise ValueError(f"query must be a CUDA tensor for the FA4 backend, got device {device}")
+        return UnsupportedDevice(f"the FA4 backend needs CUDA tensors on an SM90 (Hopper) GPU; query is on {device}")
     capability = torch.cuda.get_device_capability(device)
     if tuple(capability) != (9, 0):
         major, minor = capability
-        raise RuntimeError(
-            f"the FA4 backend runs on SM90 GPUs (H100/H200) only; {device} is sm_{major}{minor}"
-        )
+        return UnsupportedDevice(f"the FA4 backend needs an SM90 (Hopper) GPU (H100/H200); {device} is "
+                                 f"sm_{major}{minor}")
+    return None
+
+
+def _check_device(device: torch.device) -> None:
+    """Raise :func:`_device_declined`'s UnsupportedDevice (a RuntimeError), if any."""
+    declined = _device_declined(device)
+    if declined is not None:
+        raise declined
+
+
+def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
+             deterministic=False) -> BackendDeclined | None:
+    """Why FA4 cannot take these (valid) inputs, or None, checked in this order without
+    touching device data: not an SM90 GPU (UnsupportedDevice), not bf16
+    (UnsupportedDtype), flash-attn-4 absent (MissingRuntime), ``deterministic`` with
+    gradients wanted (DeterminismUnavailable: the backward uses fp32 atomics), head dim
+    other than 256 (UnsupportedShape)."""
+    del selected_token_ids, softmax_scale
+    declined = _device_declined(query.device)
+    if declined is not None:
+        return declined
+    if query.dtype != torch.bfloat16:
+        return UnsupportedDtype(f"the FA4 backend computes in bfloat16 only; query is {dtype_name(query.dtype)}")
+    if not _HAS_RUNTIME:
+        return MissingRuntime(f"the FA4 backend needs flash-attn-4, which is not installed: {_INSTALL_HINT}")
+    if deterministic and needs_grad(query, key, value):
+        return DeterminismUnavailable("the FA4 backend's backward is not deterministic (fp32 atomics)")
+    if query.shape[-1] != HEAD_DIM:
+        return UnsupportedShape(f"the FA4 backend needs head dim {HEAD_DIM}, got {query.shape[-1]}")
+    return None
 
 
 class _MaskEmptyRows(torch.autograd.Function):
@@ -361,25 +407,23 @@ def fa4_sparse_gqa_attention(
     not fit the free device memory is refused before anything is allocated.
 
     Raises:
-        TypeError: a non-bf16 compute tensor, routes not signed int32/int64, a
-            non-real scale.
-        ValueError: bad ranks, sizes or head dim (not 256), Hq % Hkv != 0,
-            tensors on different devices or not on CUDA, a bad scale.
-        RuntimeError: the GPU is not SM90; gradients are needed while
+        InvalidInput / InvalidDtype: the contract's checks.
+        UnsupportedDtype: not bf16. UnsupportedShape: head dim not 256.
+        DeterminismUnavailable: gradients are needed while
             ``torch.use_deterministic_algorithms(True)`` (only a warning in
-            warn-only mode); backward with ``create_graph=True``.
+            warn-only mode).
+        UnsupportedDevice: not on an SM90 GPU.
+        RuntimeError: backward with ``create_graph=True``.
         torch.OutOfMemoryError: (a RuntimeError) the membership tables would not
             fit the free device memory (checked before anything is allocated).
-        ImportError: flash-attn-4 / the CuTe DSL is missing (first CUDA call).
+        MissingRuntime: (an ImportError) flash-attn-4 / the CuTe DSL is missing (first CUDA call).
     """
-    checked = validate_inputs(
-        query, key, value, selected_token_ids, softmax_scale, dtypes=(torch.bfloat16,)
-    )
+    checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
     dims = checked.dims
+    if query.dtype != torch.bfloat16:
+        raise UnsupportedDtype(f"the FA4 backend computes in bfloat16 only; query is {dtype_name(query.dtype)}")
     if dims.head_dim != HEAD_DIM:
-        raise ValueError(
-            f"query/key/value head dim must be {HEAD_DIM} for the FA4 backend, got {dims.head_dim}"
-        )
+        raise UnsupportedShape(f"the FA4 backend needs head dim {HEAD_DIM}, got {dims.head_dim}")
     check_deterministic_backward("FA4", query, key, value)
     _check_device(query.device)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))

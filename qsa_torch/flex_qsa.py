@@ -26,7 +26,7 @@ Devices:
   ``suppress_errors``).
 * CPU: the same code runs FlexAttention uncompiled and unpadded, forward only and
   for small shapes (that path materialises the scores). FlexAttention has no CPU
-  backward; asking for gradients on CPU raises ``NotImplementedError``.
+  backward; asking for gradients on CPU raises ``UnsupportedDevice``.
 
 Memory: the membership table costs ``B * S_q * S_kv`` bytes of the bucketed
 shape (2.25 GiB for one 49152-token sequence, 64 GiB at 262144), about twice that
@@ -36,6 +36,7 @@ before allocating anything.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import warnings
 from collections.abc import Callable
@@ -43,10 +44,23 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .routes import ProblemDims, membership_table, validate_inputs
+from qsa_common.errors import BackendDeclined, MissingRuntime, UnsupportedDevice, UnsupportedDtype
+
+from .routes import ProblemDims, dtype_name, membership_table, needs_grad, validate_inputs
 from .routes import available_device_bytes as _available_bytes
 
-__all__ = ["MAX_COMPILED_SHAPES", "bucket_batch", "bucket_length", "flex_sparse_gqa_attention"]
+__all__ = ["MAX_COMPILED_SHAPES", "NoCPUBackward", "bucket_batch", "bucket_length", "flex_sparse_gqa_attention",
+           "supports"]
+
+
+class NoCPUBackward(UnsupportedDevice, NotImplementedError):
+    """Gradients asked of FlexAttention on CPU: a decline, and a ``NotImplementedError`` for
+    callers that run a forward alone where a backward is not implemented (parity harness)."""
+
+
+# looked up once, at import (dynamo traces supports() under torch.compile: no importlib there)
+_RUNTIME = "torch.nn.attention.flex_attention"
+_HAS_RUNTIME = importlib.util.find_spec(_RUNTIME) is not None
 
 # FlexAttention's sparse tile (query rows x key rows) of the BlockMask.
 _TILE = 128
@@ -381,7 +395,7 @@ def flex_sparse_gqa_attention(
     kernel, on inputs padded to the bucketed shape (module docstring). On CPU,
     forward only (uncompiled, small shapes): if autograd is on
     (``torch.is_grad_enabled()``) and any of query/key/value requires grad,
-    ``NotImplementedError`` is raised before any work; call it under
+    :class:`~qsa_common.errors.UnsupportedDevice` is raised before any work; call it under
     ``torch.no_grad()`` or with detached inputs for a CPU forward. Inside an
     enclosing ``torch.compile`` the call is traced into that graph instead.
 
@@ -390,32 +404,20 @@ def flex_sparse_gqa_attention(
     fits the free device memory and otherwise raises ``torch.OutOfMemoryError``.
 
     Raises:
-        ValueError: bad shapes, heads, devices (also a device other than CUDA
-            or CPU), empty dimensions, or scale value.
-        TypeError: a dtype other than bf16/fp16/fp32, mixed dtypes, or routes
-            that are not signed int32/int64; a non-real scale.
-        NotImplementedError: gradients requested on CPU.
+        InvalidInput / InvalidDtype: the contract's checks.
+        BackendDeclined: what :func:`supports` returns (UnsupportedDtype: fp64;
+            UnsupportedDevice: a device other than CUDA or CPU, or gradients requested
+            on CPU; MissingRuntime: no FlexAttention in this torch).
         torch.OutOfMemoryError: (a RuntimeError) the table does not fit on the GPU.
         RuntimeError: the bucketed shape would be compiled specialisation number
             :data:`MAX_COMPILED_SHAPES` + 1, or torch.compile refuses it.
     """
-    checked = validate_inputs(
-        query, key, value, selected_token_ids, softmax_scale, dtypes=_DTYPES
-    )
+    checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
+    declined = supports(query, key, value, selected_token_ids)
+    if declined is not None:
+        raise declined
     dims = checked.dims
     device = query.device
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(
-            f"query is on {device}; flex_sparse_gqa_attention runs on CUDA or CPU only"
-        )
-    if device.type == "cpu" and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (query, key, value)
-    ):
-        raise NotImplementedError(
-            "flex_sparse_gqa_attention: gradients need a CUDA device; FlexAttention has "
-            "no CPU backward. On CPU call it under torch.no_grad() or with inputs that "
-            "do not require grad (forward only)."
-        )
     if device.type == "cuda" and not torch.compiler.is_compiling():
         return _attend_bucketed(query, key, value, selected_token_ids, dims, checked.scale, _COMPILED)
     table, has_route = _routes_to_membership(selected_token_ids, dims.kv_length)
@@ -424,3 +426,24 @@ def flex_sparse_gqa_attention(
     # where(), not a multiply: exact zeros even if the kernel left NaN there,
     # and its backward passes a zero gradient into the kernel for those rows.
     return torch.where(has_route[:, :, None, None], out, out.new_zeros(()))
+
+
+def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
+             deterministic=False) -> BackendDeclined | None:
+    """Why FlexAttention cannot take these (valid) inputs, or None: fp64
+    (UnsupportedDtype), a device other than CUDA or CPU, or gradients wanted on CPU
+    (UnsupportedDevice: FlexAttention has no CPU backward), no FlexAttention in this
+    torch (MissingRuntime). Its backward is deterministic."""
+    del selected_token_ids, softmax_scale, deterministic
+    if query.dtype not in _DTYPES:
+        return UnsupportedDtype(f"FlexAttention computes in {', '.join(dtype_name(d) for d in _DTYPES)} only; query is "
+                                f"{dtype_name(query.dtype)}")
+    if query.device.type not in ("cuda", "cpu"):
+        return UnsupportedDevice(f"query is on {query.device}; flex_sparse_gqa_attention runs on CUDA or CPU only")
+    if query.device.type == "cpu" and needs_grad(query, key, value):
+        return NoCPUBackward("flex_sparse_gqa_attention: gradients need a CUDA device; FlexAttention has no CPU "
+                             "backward. On CPU call it under torch.no_grad() or with inputs that do not require "
+                             "grad (forward only).")
+    if not _HAS_RUNTIME:
+        return MissingRuntime(f"optional runtime {_RUNTIME!r} is not installed")
+    return None

@@ -16,7 +16,13 @@ from qsa_common.contract import check_chunk_rows
 
 from .routes import normalize_routes, validate_inputs
 
-__all__ = ["reference_sparse_gqa_attention"]
+__all__ = ["reference_sparse_gqa_attention", "supports"]
+
+
+def supports(query, key, value, selected_token_ids, *, softmax_scale=None, deterministic=False):
+    """Why the reference cannot take these (valid) inputs: never (any device, every
+    floating dtype of the contract, a deterministic backward); returns None."""
+    del query, key, value, selected_token_ids, softmax_scale, deterministic
 
 # Gathered elements per chunk (K * Hkv * D * rows * batch); ~64 M fp32 = 256 MB
 # for each of K and V.

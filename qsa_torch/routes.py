@@ -17,7 +17,10 @@ import numpy as np
 import torch
 
 from qsa_common import layouts as _layouts
-from qsa_common.contract import ProblemDims, check_shapes, resolve_scale
+from qsa_common import route_check as _route_check
+from qsa_common.contract import (ProblemDims, check_bool_or_none, check_dtypes, check_route_dtype, check_shapes,
+                                  device_mismatch, not_an_array, resolve_scale)
+from qsa_common.errors import DeterminismUnavailable, InvalidInput, UnsupportedDtype
 
 __all__ = [
     "ProblemDims",
@@ -25,7 +28,11 @@ __all__ = [
     "Validated",
     "available_device_bytes",
     "check_deterministic_backward",
+    "check_routes",
     "dense_aligned",
+    "dtype_name",
+    "needs_grad",
+    "resolve_deterministic",
     "validate_inputs",
     "validate_routes",
     "normalize_routes",
@@ -36,7 +43,11 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_ROUTE_DTYPES = (torch.int32, torch.int64)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype as the contract names it (numpy's spelling: ``float32``, ``uint8``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -48,16 +59,11 @@ class Validated:
 
 
 def validate_routes(selected_token_ids: torch.Tensor) -> None:
-    """Raise TypeError unless routes are a signed int32/int64 tensor."""
+    """Raise :class:`~qsa_common.errors.InvalidDtype` unless routes are a signed
+    int32/int64 tensor."""
     if not isinstance(selected_token_ids, torch.Tensor):
-        raise TypeError(
-            f"selected_token_ids must be a torch.Tensor, got {type(selected_token_ids).__name__}"
-        )
-    if selected_token_ids.dtype not in _ROUTE_DTYPES:
-        raise TypeError(
-            "selected_token_ids must be signed int32 or int64, got "
-            f"{selected_token_ids.dtype}"
-        )
+        raise not_an_array("selected_token_ids", selected_token_ids)
+    check_route_dtype(dtype_name(selected_token_ids.dtype))
 
 
 def validate_inputs(
@@ -71,31 +77,51 @@ def validate_inputs(
 ) -> Validated:
     """Check query ``[B,S_q,Hq,D]``, key/value ``[B,S_kv,Hkv,D]``, routes ``[B,S_q,K]``.
 
-    ``dtypes`` narrows the accepted compute dtype for a fast path.
+    The checks and messages are :mod:`qsa_common.contract`'s, in its order (arrays,
+    dtypes, shapes, devices, scale), so ``qsa_jax.validate_inputs`` raises the same
+    error for the same bad input. ``dtypes`` narrows the accepted compute dtype for a
+    backend: a contract dtype outside it is that backend's
+    :class:`~qsa_common.errors.UnsupportedDtype`.
 
     Raises:
-        TypeError: a non-tensor, a compute tensor outside ``dtypes``, key/value
-            dtypes differing from query's, or routes not signed int32/int64.
-        ValueError: wrong ranks or sizes, Hq % Hkv != 0, empty dimensions,
-            tensors on different devices, or a non-finite / non-positive scale.
+        InvalidDtype: (a TypeError) a non-tensor, a non-floating compute tensor,
+            key/value dtypes differing from query's, or routes not signed int32/int64.
+        InvalidInput: (a ValueError) wrong ranks or sizes, Hq % Hkv != 0, empty
+            dimensions, tensors on different devices, or a bad scale.
+        UnsupportedDtype: (a TypeError) a floating dtype outside ``dtypes``.
     """
-    for name, t in (("query", query), ("key", key), ("value", value)):
+    for name, t in (("query", query), ("key", key), ("value", value),
+                    ("selected_token_ids", selected_token_ids)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in dtypes:
-            allowed = ", ".join(str(d) for d in dtypes)
-            raise TypeError(f"{name} must have a floating dtype in ({allowed}), got {t.dtype}")
-    for name, t in (("key", key), ("value", value)):
-        if t.dtype != query.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} differs from query dtype {query.dtype}")
-    validate_routes(selected_token_ids)
+            raise not_an_array(name, t)
+    check_dtypes(*(dtype_name(t.dtype) for t in (query, key, value, selected_token_ids)))
+    if query.dtype not in dtypes:
+        raise UnsupportedDtype(f"this backend computes in {', '.join(dtype_name(d) for d in dtypes)} only, "
+                               f"got {dtype_name(query.dtype)}")
     dims = check_shapes(
         tuple(query.shape), tuple(key.shape), tuple(value.shape), tuple(selected_token_ids.shape)
     )
     for name, t in (("key", key), ("value", value), ("selected_token_ids", selected_token_ids)):
         if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+            raise device_mismatch(name, str(t.device), str(query.device))
     return Validated(dims, resolve_scale(softmax_scale, dims.head_dim))
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will want gradients of any of ``tensors`` from this call."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def resolve_deterministic(deterministic: bool | None) -> bool:
+    """The dispatchers' ``deterministic``: a bool as given; None follows
+    ``torch.are_deterministic_algorithms_enabled()``.
+
+    Raises:
+        InvalidDtype: neither a bool nor None.
+    """
+    if check_bool_or_none("deterministic", deterministic) is None:
+        return torch.are_deterministic_algorithms_enabled()
+    return deterministic
 
 
 def available_device_bytes(device: torch.device) -> int | None:
@@ -121,7 +147,8 @@ def check_deterministic_backward(backend: str, *tensors: torch.Tensor) -> None:
 
     For backends whose backward accumulates with atomics: when deterministic
     algorithms are on and autograd will need gradients of ``tensors``, raise
-    RuntimeError (in warn-only mode, warn instead).
+    :class:`~qsa_common.errors.DeterminismUnavailable` (a RuntimeError; in warn-only
+    mode, warn instead).
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         refuse_nondeterministic_backward(backend)
@@ -136,7 +163,7 @@ def refuse_nondeterministic_backward(backend: str) -> None:
         "torch.use_deterministic_algorithms is on"
     )
     if not torch.is_deterministic_algorithms_warn_only_enabled():
-        raise RuntimeError(message)
+        raise DeterminismUnavailable(message)
     warnings.warn(message, stacklevel=3)
 
 
@@ -177,7 +204,7 @@ def normalize_routes(
     """
     validate_routes(selected_token_ids)
     if not 0 < kv_length < 2**31:
-        raise ValueError(f"kv_length must be in [1, 2**31), got {kv_length}")
+        raise InvalidInput(f"kv_length must be in [1, 2**31), got {kv_length}")
     routes = selected_token_ids
     # compare in the input dtype: casting huge int64 to int32 first would wrap
     valid = (routes >= 0) & (routes < kv_length)
@@ -200,11 +227,11 @@ def membership_table(
     """
     validate_routes(selected_token_ids)
     if selected_token_ids.dim() != 3:
-        raise ValueError(
+        raise InvalidInput(
             f"selected_token_ids must have rank 3 [B, S_q, K], got shape {tuple(selected_token_ids.shape)}"
         )
     if kv_length < 1:
-        raise ValueError(f"kv_length must be positive, got {kv_length}")
+        raise InvalidInput(f"kv_length must be positive, got {kv_length}")
     b, s_q, _ = selected_token_ids.shape
     routes = selected_token_ids
     valid = (routes >= 0) & (routes < kv_length)
@@ -250,3 +277,18 @@ def generate_problem(
     """
     problem = _layouts.make_problem(layout, route_family, seed=seed, seq_len=seq_len, **kwargs)
     return to_torch_routes(problem, dtype=dtype, device=device), problem
+
+
+def _host(x):
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
+
+
+def check_routes(routes: torch.Tensor, *, causal: bool = True, documents: torch.Tensor | None = None,
+                 kv_length: int | None = None, query_offset: int | None = None) -> _route_check.RouteReport:
+    """Report out-of-range IDs (other than -1), routes to future tokens and routes crossing
+    documents: :func:`qsa_common.route_check.check_routes` on the host copies of
+    ``routes`` ``[B, S_q, K]`` and ``documents`` (per-token document ids ``[B, S_kv]`` or
+    ``[S_kv]``). A debugging aid: it copies device data to the host (one synchronisation);
+    the attention functions never need it (out-of-range IDs are padding there)."""
+    return _route_check.check_routes(_host(routes), causal=causal, documents=_host(documents),
+                                     kv_length=kv_length, query_offset=query_offset)

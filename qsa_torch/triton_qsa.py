@@ -66,6 +66,10 @@ __all__ = [
 TileUnions = driver.Unions
 
 
+# looked up once, at import: dynamo traces supports() inside a compiled "auto" dispatch
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
              deterministic: bool | None = False) -> BackendDeclined | None:
     """The :class:`qsa_common.errors.BackendDeclined` this backend raises for these
@@ -77,7 +81,7 @@ def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
     device = query.device
     capability = tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
     return decline(query.shape[-1], _triton_launch.dtype_name(query.dtype), runtime="triton",
-                   runtime_present=importlib.util.find_spec("triton") is not None, device=device.type,
+                   runtime_present=_HAS_TRITON, device=device.type,
                    capability=capability, interpreted=spec.interprets())
 
 

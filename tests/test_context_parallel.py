@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 
+from qsa_common.errors import DeterminismUnavailable, UnsupportedDevice, UnsupportedOption
+
 from contract_base import TOLERANCE, random_inputs
 from qsa_common.layouts import make_problem
 from qsa_common.oracle import oracle_forward_backward, relative_error
@@ -129,7 +131,7 @@ def test_jax_cp_passes_deterministic_and_kernel_options_through(host_devices):
     for name, g, w in zip(("out", "dq", "dk", "dv"), runs[0], want):
         assert relative_error(g, w) < 1e-5, name
     args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
-    with pytest.raises(NotImplementedError, match="deterministic"):
+    with pytest.raises(DeterminismUnavailable, match="deterministic"):
         cp(*args, routes, 0.4, mesh=mesh, implementation="pallas", interpret=True, deterministic=True)
     bs = BlockSizes(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
     out = cp(*args, routes, 0.4, mesh=mesh, implementation="pallas", interpret=True, block_sizes=bs)
@@ -138,11 +140,11 @@ def test_jax_cp_passes_deterministic_and_kernel_options_through(host_devices):
         cp(*args, routes, mesh=mesh, deterministic="yes")
     # interpret and block_sizes reach the devices' calls: on the host mesh, interpret=False
     # makes Pallas decline; a block-size class of another implementation does too
-    with pytest.raises(NotImplementedError, match="GPUs only"):
+    with pytest.raises(UnsupportedDevice, match="GPUs only"):
         cp(*args, routes, 0.4, mesh=mesh, implementation="pallas", interpret=False)
     from qsa_triton.config import BlockSizes as TritonBlockSizes
 
-    with pytest.raises(NotImplementedError, match="block_sizes"):
+    with pytest.raises(UnsupportedOption, match="block_sizes"):
         cp(*args, routes, 0.4, mesh=mesh, implementation="pallas", interpret=True, block_sizes=TritonBlockSizes())
 
 
@@ -169,11 +171,18 @@ def test_jax_cp_rejects_bad_layouts(host_devices):
 _CALLS: list[str] = []
 
 
+def supports(query, key, value, selected_token_ids, *, softmax_scale=None, deterministic=False):
+    """This module stands in for a backend module: its spy backends accept every input."""
+    return None
+
+
 def _flaky_backend(*args, **kwargs):
-    """Declines its first call (as a backend out of memory once would), then works."""
+    """Declines its first call (as a backend whose runtime failed to load once would), then works."""
+    from qsa_common.errors import UnsupportedShape
+
     _CALLS.append("flaky")
     if _CALLS.count("flaky") == 1:
-        raise NotImplementedError("flaky declines its first call")
+        raise UnsupportedShape("flaky declines its first call")
     from qsa_torch import reference_sparse_gqa_attention
 
     return reference_sparse_gqa_attention(*args, **kwargs)
@@ -189,8 +198,11 @@ def _steady_backend(*args, **kwargs):
 def _install_spies(api, dtype):
     """"auto" on CPU over the two spies: "flaky" fails its first forward, so "auto"
     falls back to "steady"; a backward that resolved "auto" again would take "flaky"."""
+    import sys
+
     for name in ("flaky", "steady"):
-        api.BACKENDS[name] = api._Backend("test_context_parallel", f"_{name}_backend", (dtype,), True)
+        api.BACKENDS[name] = api._Backend("test_context_parallel", f"_{name}_backend")
+        api._MODULES[name] = sys.modules[__name__]
         api.VERIFIED[name] = frozenset({"cpu"})
     api.PREFERENCE["cpu"] = ("flaky", "steady")
 
@@ -331,7 +343,7 @@ def test_torch_cp_ranks_that_disagree_all_raise(tmp_path):
         assert r["same numel, other shape"].startswith("ValueError") and "differ" in r["same numel, other shape"]
         assert r["gather dtype"].startswith("ValueError") and "differ" in r["gather dtype"]
         assert r["agreeing"] == "accepted"
-    assert ranks[1]["one rank refused"].startswith("TypeError")
+    assert ranks[1]["one rank refused"].startswith("InvalidDtype")
     assert ranks[0]["one rank refused"].startswith("ValueError") and "rank(s) [1]" in ranks[0]["one rank refused"]
 
 

@@ -150,7 +150,7 @@ ERRORS = {
     "inf scale": (_args(), math.inf, ValueError, "softmax_scale"),
     "key on another device": (_with(1, lambda t: t.to("meta")), None, ValueError, "key is on meta"),
     "routes on another device": (_with(3, lambda t: t.to("meta")), None, ValueError, "selected_token_ids is on meta"),
-    "not CUDA": (_args(), None, ValueError, "CUDA"),
+    "not CUDA": (_args(), None, RuntimeError, "CUDA"),
 }
 
 
@@ -165,9 +165,9 @@ def test_errors(case):
 def test_width_limits_are_inclusive():
     """W = 1 and W = 2052 pass the shape checks (and stop at the device check on CPU)."""
     for width in (1, 2052):
-        with pytest.raises(ValueError, match="CUDA"):
+        with pytest.raises(RuntimeError, match="CUDA"):
             cudnn_sparse_gqa_attention(*_args(width=width))
-        with pytest.raises(ValueError, match="CUDA"):
+        with pytest.raises(RuntimeError, match="CUDA"):
             cudnn_sparse_gqa_attention(*_args(heads=(24, 2), width=width))
 
 
@@ -188,12 +188,12 @@ def test_deterministic_backward_is_refused():
     with _Deterministic(), pytest.raises(RuntimeError, match="deterministic"):
         cudnn_sparse_gqa_attention(*_args(grad=True))
     # without a backward to come, the flag does not matter: the next check (device) fires
-    with _Deterministic(), pytest.raises(ValueError, match="CUDA"):
+    with _Deterministic(), pytest.raises(RuntimeError, match="CUDA"):
         cudnn_sparse_gqa_attention(*_args(grad=False))
-    with _Deterministic(), torch.no_grad(), pytest.raises(ValueError, match="CUDA"):
+    with _Deterministic(), torch.no_grad(), pytest.raises(RuntimeError, match="CUDA"):
         cudnn_sparse_gqa_attention(*_args(grad=True))
     with _Deterministic(warn_only=True), pytest.warns(UserWarning, match="deterministic"):
-        with pytest.raises(ValueError, match="CUDA"):
+        with pytest.raises(RuntimeError, match="CUDA"):
             cudnn_sparse_gqa_attention(*_args(grad=True))
 
 

@@ -357,8 +357,8 @@ ERRORS = {
     "float16": (_args(dtype=torch.float16), None, TypeError, "query"),
     "key dtype": (_replace(key=lambda t: t.float()), None, TypeError, "key"),
     "head dim 128": (_args(d=128), None, ValueError, "head dim"),
-    "cpu tensors": (_args(), None, ValueError, "CUDA"),
-    "meta tensors": (_args(device="meta"), None, ValueError, "CUDA"),
+    "cpu tensors": (_args(), None, RuntimeError, "CUDA"),
+    "meta tensors": (_args(device="meta"), None, RuntimeError, "CUDA"),
     "uint8 routes": (_replace(selected_token_ids=lambda t: t.clamp_min(0).to(torch.uint8)), None,
                      TypeError, "selected_token_ids"),
     "float routes": (_replace(selected_token_ids=lambda t: t.float()), None, TypeError,
@@ -398,10 +398,10 @@ def test_deterministic_backward_is_refused(deterministic):
     with pytest.raises(RuntimeError, match="deterministic"):
         fa4_sparse_gqa_attention(**args)
     with torch.no_grad():  # no backward wanted: the next check (device) speaks
-        with pytest.raises(ValueError, match="CUDA"):
+        with pytest.raises(RuntimeError, match="CUDA"):
             fa4_sparse_gqa_attention(**args)
     deterministic(True, warn_only=True)
-    with pytest.warns(UserWarning, match="deterministic"), pytest.raises(ValueError, match="CUDA"):
+    with pytest.warns(UserWarning, match="deterministic"), pytest.raises(RuntimeError, match="CUDA"):
         fa4_sparse_gqa_attention(**args)
 
 

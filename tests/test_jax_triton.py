@@ -243,8 +243,9 @@ def test_deterministic_dispatch(monkeypatch):
     """``qsa_jax.sparse_gqa_attention(deterministic=True)``: "triton" passes it on, "pallas"
     declines (so a sequence falls through), "xla" runs on CPU and, on GPUs, only with
     XLA's deterministic-ops flag in XLA_FLAGS."""
+    from qsa_common.errors import DeterminismUnavailable, InvalidDtype
     from qsa_jax import attention as dispatch
-    from qsa_jax import pallas_qsa, sparse_gqa_attention
+    from qsa_jax import pallas_qsa, sparse_gqa_attention, xla_reference
 
     x = _on_cpu(jnp.asarray(np.random.default_rng(0).standard_normal((1, 6, 2, 16)), jnp.float32))
     routes = np.array([[[0, 1], [1, -1], [2, 0], [3, 5], [-1, -1], [4, 2]]])
@@ -253,24 +254,28 @@ def test_deterministic_dispatch(monkeypatch):
                         lambda *a, deterministic, **kw: seen.append(deterministic) or a[0])
     sparse_gqa_attention(x, x, x, routes, implementation="triton", deterministic=True)
     assert seen == [True]
-    with pytest.raises(NotImplementedError, match="deterministic"):
+    with pytest.raises(DeterminismUnavailable, match="deterministic"):
         sparse_gqa_attention(x, x, x, routes, implementation="pallas", deterministic=True)
-    with pytest.raises(NotImplementedError, match="deterministic"):
+    with pytest.raises(DeterminismUnavailable, match="deterministic"):
         pallas_qsa.pallas_sparse_gqa_attention(x, x, x, routes, deterministic=True)
     want = sparse_gqa_attention(x, x, x, routes, implementation="xla")
     got = sparse_gqa_attention(x, x, x, routes, implementation=("pallas", "xla"), deterministic=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    with pytest.raises(TypeError, match="deterministic"):
-        sparse_gqa_attention(x, x, x, routes, deterministic=None)
+    with pytest.raises(InvalidDtype, match="deterministic"):
+        sparse_gqa_attention(x, x, x, routes, deterministic=1)
 
-    monkeypatch.setattr(dispatch, "on_gpu", lambda _: True)  # as if x lived on a GPU
+    monkeypatch.setattr(xla_reference, "on_gpu", lambda _: True)  # as if x lived on a GPU
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    with pytest.raises(NotImplementedError, match="xla_gpu_deterministic_ops"):
+    sparse_gqa_attention(x, x, x, routes, implementation="xla", deterministic=None)  # None: not asked
+    with pytest.raises(DeterminismUnavailable, match="xla_gpu_deterministic_ops"):
         sparse_gqa_attention(x, x, x, routes, implementation="xla", deterministic=True)
     sparse_gqa_attention(x, x, x, routes, implementation="xla")  # not asked: runs
     for flag in dispatch.DETERMINISTIC_XLA_FLAGS:
         monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=4 {flag}")
         sparse_gqa_attention(x, x, x, routes, implementation="xla", deterministic=True)
+        # None follows the flag: Pallas (fp32 atomics) declines as for True
+        with pytest.raises(DeterminismUnavailable):
+            sparse_gqa_attention(x, x, x, routes, implementation="pallas")
 
 
 @pytest.mark.parametrize("recipe", ["rank", "sorted"])
@@ -462,7 +467,7 @@ def test_declines_what_it_cannot_run():
         attention(x, x, x, routes.astype(np.float32))
     from qsa_jax import sparse_gqa_attention
 
-    with pytest.raises(NotImplementedError, match="interpret"):
+    with pytest.raises(BackendDeclined, match="interpret"):
         sparse_gqa_attention(x, x, x, routes, implementation="triton", interpret=True)
 
 

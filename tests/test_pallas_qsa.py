@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from qsa_common.errors import NoBackendAvailable, UnsupportedDevice, UnsupportedShape
+
 from contract_base import TOLERANCE, BackendContract, UnroutedRowsIsolated, random_inputs
 from runners import run_jax
 from qsa_common.generators import adversarial_routes
@@ -119,8 +121,8 @@ def test_poisoned_outputs_are_overwritten(monkeypatch):
 
 
 def test_float64_and_large_head_dim_are_refused():
-    """Declined with the contract's classes (TypeError for the dtype, ValueError for the
-    head dim) that are NotImplementedErrors too, which the dispatcher reads as declines."""
+    """Declined with the common classes UnsupportedDtype (a TypeError) and UnsupportedShape
+    (a ValueError), BackendDeclined both, which the dispatcher reads as declines."""
     import jax
     import jax.numpy as jnp
 
@@ -131,12 +133,12 @@ def test_float64_and_large_head_dim_are_refused():
     x = jnp.ones((1, 4, 1, 512), jnp.float32)
     with pytest.raises(ValueError, match="head dim") as err:
         pallas_sparse_gqa_attention(x, x, x, routes, interpret=True)
-    assert isinstance(err.value, (NotImplementedError, UnsupportedShape))
+    assert isinstance(err.value, UnsupportedShape)
     with jax.enable_x64(True):
         x = jnp.ones((1, 4, 1, 16), jnp.float64)
         with pytest.raises(TypeError, match="float64") as err:
             pallas_sparse_gqa_attention(x, x, x, routes, interpret=True)
-        assert isinstance(err.value, NotImplementedError) and isinstance(err.value, UnsupportedDtype)
+        assert isinstance(err.value, UnsupportedDtype)
 
 
 def test_implementation_list_falls_back_with_reasons(monkeypatch, caplog):
@@ -161,9 +163,12 @@ def test_implementation_list_falls_back_with_reasons(monkeypatch, caplog):
         assert "head dim" in declined[0].getMessage() and declined[0].name == "qsa_jax"
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="qsa_jax"):
-        with pytest.raises(NotImplementedError, match="pallas: .*head dim"):
+        with pytest.raises(UnsupportedShape, match="head dim"):  # one name: its own decline
             sparse_gqa_attention(x, x, x, routes, implementation=["pallas"], interpret=True)
     assert not [r for r in caplog.records if "declined" in r.getMessage()]
+    with pytest.raises(NoBackendAvailable, match="pallas: UnsupportedShape: .*head dim") as err:
+        sparse_gqa_attention(x, x, x, routes, implementation=["pallas", "triton"], interpret=True)
+    assert sorted(err.value.reasons) == ["pallas", "triton"]
     with pytest.raises(ValueError, match="unknown implementation"):
         sparse_gqa_attention(x, x, x, routes, implementation="cuda")
 
@@ -194,7 +199,7 @@ def test_implementation_and_interpret_arguments_are_checked_first():
     out = sparse_gqa_attention(*x, routes, implementation=["pallas", "xla"], interpret=False)
     assert relative_error(np.asarray(out), want) < 1e-5
     if not any(d.platform == "gpu" for d in x[0].devices()):
-        with pytest.raises(NotImplementedError, match="pallas: .*GPUs only"):
+        with pytest.raises(UnsupportedDevice, match="GPUs only"):
             sparse_gqa_attention(*x, routes, implementation=["pallas"], interpret=False)
 
 
@@ -378,7 +383,7 @@ def test_flat_tiling_beyond_int32_pairs(monkeypatch):
     kv = jnp.zeros((1, 8, 1, 16), jnp.float32)
     routes = jnp.zeros((1, 8, 2), jnp.int32)
     monkeypatch.setattr(pq, "_pairs_fit_int32", lambda pairs, bs: False)
-    with pytest.raises(NotImplementedError, match="int32"):
+    with pytest.raises(UnsupportedShape, match="int32"):
         pq.pallas_sparse_gqa_attention(q, kv, kv, routes, block_sizes=pq.BlockSizes(
             block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16, flatten_heads=True), interpret=True)
     seen = []

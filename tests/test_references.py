@@ -25,7 +25,7 @@ class TestJaxReference(UnroutedRowsIsolated, BackendContract):
     dtypes = ("float32", "bfloat16")
 
     def run(self, q, k, v, routes, scale, grad_out, dtype):
-        from qsa_jax import reference
+        from qsa_jax import reference_sparse_gqa_attention as reference
 
         fn = lambda *a: reference(*a, chunk_rows=5)  # noqa: E731
         return run_jax(fn, q, k, v, routes, scale, grad_out, dtype)
@@ -57,7 +57,7 @@ def test_jax_reference_under_jit_and_vmap():
     import jax
     import jax.numpy as jnp
 
-    from qsa_jax import reference
+    from qsa_jax import reference_sparse_gqa_attention as reference
 
     rng = np.random.default_rng()
     problem = make_problem("packed", "qsa", seed=int(rng.integers(2**31)), seq_len=32, top_k=2)
@@ -81,7 +81,7 @@ def test_frameworks_agree_on_identical_inputs(layout):
     import jax.numpy as jnp
     import torch
 
-    from qsa_jax import reference as jax_reference
+    from qsa_jax import reference_sparse_gqa_attention as jax_reference
     from qsa_torch import reference_sparse_gqa_attention
 
     import jax

@@ -11,6 +11,8 @@ import pytest
 
 from contract_base import BackendContract, random_inputs
 from runners import run_torch
+from qsa_common.errors import (BackendDeclined, DeterminismUnavailable, InvalidDtype, InvalidInput, MissingRuntime,
+                               NoBackendAvailable, UnsupportedDevice, UnsupportedShape)
 from qsa_common.layouts import make_problem
 from qsa_common.oracle import oracle_forward_backward, relative_error
 
@@ -72,10 +74,10 @@ def test_opcheck_forward_and_backward_ops(rng):
     routes = torch.from_numpy(problem.routes)
     leaves = _leaves(q, k, v)
     torch.library.opcheck(torch.ops.qsa.sparse_gqa_attention.default,
-                          (*leaves, routes, 0.25, "reference"))
+                          (*leaves, routes, 0.25, "reference", False))
     torch.library.opcheck(torch.ops.qsa.sparse_gqa_attention_backward.default,
                           (torch.from_numpy(do).float(), *(x.detach() for x in leaves), routes,
-                           0.25, "reference"))
+                           0.25, "reference", False))
 
 
 def test_meta_tensors_give_shapes_only(rng):
@@ -117,8 +119,8 @@ def test_auto_skips_unsupported_backends_with_a_logged_reason(rng, monkeypatch, 
         out = api.sparse_gqa_attention(*leaves, routes, 0.25)
         out.backward(torch.from_numpy(do).float())
     text = caplog.text
-    assert "skipping backend 'fa4': needs an SM90" in text
-    assert "skipping backend 'flex': FlexAttention has no CPU backward" in text
+    assert "skipping backend 'fa4': the FA4 backend needs CUDA tensors on an SM90" in text
+    assert "skipping backend 'flex'" in text and "FlexAttention has no CPU backward" in text
     assert "ran backend 'reference'" in text
     for got, ref in zip([out.detach(), *(x.grad for x in leaves)], want):
         assert relative_error(got.numpy(), ref) < 1e-5
@@ -129,13 +131,25 @@ def test_auto_skips_unsupported_backends_with_a_logged_reason(rng, monkeypatch, 
     assert relative_error(out.numpy(), want[0]) < 1e-5
 
 
+def supports(query, key, value, selected_token_ids, *, softmax_scale=None, deterministic=False):
+    """This module stands in for a backend module: its test backends accept every input."""
+    return None
+
+
 def _raising_backend(*args, **kwargs):
-    raise NotImplementedError("this test backend declines every input")
+    raise UnsupportedShape("this test backend declines every input")
+
+
+def _register(monkeypatch, name, function):
+    """Backend ``name``: ``function`` of this module (its ``supports`` accepts all)."""
+    import sys
+
+    monkeypatch.setitem(api.BACKENDS, name, api._Backend("test_torch_api", function))
+    monkeypatch.setitem(api._MODULES, name, sys.modules[__name__])
 
 
 def test_auto_falls_back_when_a_backend_raises(rng, monkeypatch, caplog):
-    monkeypatch.setitem(api.BACKENDS, "declines",
-                        api._Backend("test_torch_api", "_raising_backend", (torch.float32,), True))
+    _register(monkeypatch, "declines", "_raising_backend")
     monkeypatch.setitem(api.PREFERENCE, "cpu", ("declines",))
     monkeypatch.setitem(api.VERIFIED, "declines", frozenset({"cpu"}))
     monkeypatch.setattr(api, "_LOGGED", set())
@@ -155,42 +169,120 @@ def test_explicit_backend_errors_propagate(rng, monkeypatch):
     problem, q, k, v, do = _problem(rng)
     routes = torch.from_numpy(problem.routes)
     args = [torch.tensor(x) for x in (q, k, v)]
-    monkeypatch.setitem(api.BACKENDS, "declines",
-                        api._Backend("test_torch_api", "_raising_backend", (torch.float32,), True))
-    with pytest.raises(NotImplementedError, match="declines"):
+    _register(monkeypatch, "declines", "_raising_backend")
+    with pytest.raises(UnsupportedShape, match="declines"):
         api.sparse_gqa_attention(*args, routes, backend="declines")
-    leaves = _leaves(q, k, v)
-    out = api.sparse_gqa_attention(*leaves, routes, backend="flex")  # CPU forward works
-    with pytest.raises(NotImplementedError, match="CPU backward|CUDA"):
-        out.backward(torch.from_numpy(do).float())
+    out = api.sparse_gqa_attention(*(a.float() for a in args), routes, backend="flex")  # CPU forward works
+    assert relative_error(out.numpy(), oracle_forward_backward(q, k, v, problem.routes, 0.25)[0]) < 1e-5
+    with pytest.raises(UnsupportedDevice, match="CPU backward"):  # flex's supports() declines at the call
+        api.sparse_gqa_attention(*_leaves(q, k, v), routes, backend="flex")
 
 
-def test_unsupported_reasons():
-    from qsa_common.contract import ProblemDims
+def _out_of_memory(*args, **kwargs):
+    raise torch.OutOfMemoryError("out of memory for the test")
 
-    dims = ProblemDims(1, 64, 64, 24, 2, 256, 2052)
-    cpu = torch.device("cpu")
-    reason = api.unsupported_reason
-    assert reason("reference", dims, cpu, torch.float32, needs_grad=True) is None
-    assert "SM90" in reason("fa4", dims, cpu, torch.bfloat16, needs_grad=False)
-    assert "Blackwell" in reason("cudnn", dims, cpu, torch.bfloat16, needs_grad=False)
-    assert "only" in reason("reference", dims, cpu, torch.int32, needs_grad=False)
-    assert "CPU backward" in reason("flex", dims, cpu, torch.float32, needs_grad=True)
-    assert reason("flex", dims, cpu, torch.float32, needs_grad=False) is None
+
+def _not_implemented(*args, **kwargs):
+    raise NotImplementedError("not a decline")
+
+
+@pytest.mark.parametrize("function,error", [("_out_of_memory", torch.OutOfMemoryError),
+                                            ("_not_implemented", NotImplementedError)])
+def test_auto_never_falls_back_after_other_errors(rng, monkeypatch, function, error):
+    """Only a BackendDeclined moves "auto" on: out-of-memory and any other error propagate."""
+    _register(monkeypatch, "raises", function)
+    monkeypatch.setitem(api.PREFERENCE, "cpu", ("raises",))
+    monkeypatch.setitem(api.VERIFIED, "raises", frozenset({"cpu"}))
+    problem, q, k, v, _ = _problem(rng)
+    with pytest.raises(error):
+        api.sparse_gqa_attention(*(torch.tensor(x) for x in (q, k, v)), torch.from_numpy(problem.routes))
+
+
+def test_no_backend_left_raises_every_reason(rng, monkeypatch):
+    """When every candidate declines: NoBackendAvailable naming each with its reason."""
+    _register(monkeypatch, "declines", "_raising_backend")
+    monkeypatch.setitem(api.PREFERENCE, "cpu", ("declines",))
+    monkeypatch.setitem(api.VERIFIED, "declines", frozenset({"cpu"}))
+    monkeypatch.setitem(api._BROKEN, "reference", MissingRuntime("reference broken for the test"))
+    problem, q, k, v, _ = _problem(rng)
+    with pytest.raises(NoBackendAvailable) as err:
+        api.sparse_gqa_attention(*(torch.tensor(x) for x in (q, k, v)), torch.from_numpy(problem.routes))
+    assert set(err.value.reasons) == {"declines", "reference"}
+    assert "declines: UnsupportedShape: this test backend declines" in str(err.value)
+    assert "reference: MissingRuntime: reference broken" in str(err.value)
+
+
+def test_deterministic_argument(rng, monkeypatch):
+    """deterministic=True makes backends without a deterministic backward decline when
+    gradients are wanted; None follows torch.use_deterministic_algorithms; non-bools are
+    refused with the contract's InvalidDtype."""
+    from qsa_torch import fa4_qsa
+    from qsa_torch.routes import resolve_deterministic
+
+    problem, q, k, v, _ = _problem(rng)
+    args = [torch.tensor(x) for x in (q, k, v)]
+    with pytest.raises(InvalidDtype, match="deterministic must be a bool or None, got 1"):
+        api.sparse_gqa_attention(*args, torch.from_numpy(problem.routes), deterministic=1)
+    assert resolve_deterministic(True) is True and resolve_deterministic(False) is False
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        for flag in (True, False):
+            torch.use_deterministic_algorithms(flag)
+            assert resolve_deterministic(None) is flag
+    finally:
+        torch.use_deterministic_algorithms(before)
+    monkeypatch.setattr(fa4_qsa, "_device_declined", lambda device: None)
+    monkeypatch.setattr(fa4_qsa, "_HAS_RUNTIME", True)
+    x = torch.zeros(1, 4, 2, 256, dtype=torch.bfloat16, requires_grad=True)
+    routes = torch.zeros(1, 4, 2, dtype=torch.int64)
+    assert isinstance(fa4_qsa.supports(x, x, x, routes, deterministic=True), DeterminismUnavailable)
+    assert fa4_qsa.supports(x, x, x, routes, deterministic=False) is None
+    assert fa4_qsa.supports(x.detach(), x.detach(), x.detach(), routes, deterministic=True) is None
+
+
+def _stand_ins(shape_q, shape_kv, k, dtype, device, requires_grad):
+    """Objects with the attributes ``supports`` reads (device, dtype, shape,
+    requires_grad), for devices this machine does not have."""
+    from types import SimpleNamespace
+
+    def one(shape, grad):
+        return SimpleNamespace(device=torch.device(device), dtype=dtype, shape=torch.Size(shape),
+                               requires_grad=grad)
+
+    q = one(shape_q, requires_grad)
+    kv = one(shape_kv, requires_grad)
+    return q, kv, kv, one(tuple(shape_q[:2]) + (k,), False)
+
+
+def _declines(name, shapes=((1, 64, 24, 256), (1, 64, 2, 256), 2052), dtype=torch.float32, device="cpu",
+              requires_grad=True, **kwargs):
+    return api.backend_declines(name, *_stand_ins(*shapes, dtype, device, requires_grad), **kwargs)
+
+
+def test_backend_declines():
+    """Each backend module's supports() says why it declines, with the common classes."""
+    assert _declines("reference") is None
+    assert isinstance(_declines("fa4", dtype=torch.bfloat16, requires_grad=False), UnsupportedDevice)
+    assert "SM90" in str(_declines("fa4", dtype=torch.bfloat16))
+    assert "Blackwell" in str(_declines("cudnn", dtype=torch.bfloat16, route_format="qsa"))
+    assert "'qsa'-format" in str(_declines("cudnn", dtype=torch.bfloat16))
+    flex = _declines("flex")
+    assert isinstance(flex, UnsupportedDevice) and "CPU backward" in str(flex)
+    assert _declines("flex", requires_grad=False) is None
+    assert "float64" in str(_declines("flex", dtype=torch.float64, requires_grad=False))
+    for name in ("reference", "flex", "fa4", "cudnn", "triton"):  # the dispatcher holds no limits
+        assert callable(api._module(name).supports)
 
 
 def test_triton_on_cpu_follows_how_its_kernels_were_imported(monkeypatch):
     """Triton takes CPU tensors iff its kernels are interpreted: TRITON_INTERPRET decides
     when they are imported, not later (the reason must not promise kernels that refuse)."""
     pytest.importorskip("triton")
-    from qsa_common.contract import ProblemDims
     from qsa_triton import launch
 
-    dims = ProblemDims(1, 16, 16, 4, 2, 32, 8)
-    cpu = torch.device("cpu")
     interpreted = launch.interpreted()  # imports the kernels as this process's environment says
     monkeypatch.setenv("TRITON_INTERPRET", "0" if interpreted else "1")  # too late to matter
-    reason = api.unsupported_reason("triton", dims, cpu, torch.float32, needs_grad=True)
+    reason = _declines("triton", ((1, 16, 4, 32), (1, 16, 2, 32), 8))
     assert (reason is None) == interpreted, reason
 
 
@@ -227,18 +319,14 @@ def test_gpu_preference_rows(monkeypatch, capability, cls, order):
     cuda = torch.device("cuda")
     assert api.device_class(cuda) == cls
     assert api.candidate_backends(cuda) == order
-    from qsa_common.contract import ProblemDims
-
-    model = ProblemDims(1, 64, 64, 12, 1, 256, 2052)
-    fa4 = api.unsupported_reason("fa4", model, cuda, torch.bfloat16, needs_grad=True)
-    assert (fa4 is None or "not installed" in fa4) if cls == "sm90" else "SM90" in fa4
-    cp = ProblemDims(1, 32, 64, 12, 1, 256, 2052)
-    cudnn = api.unsupported_reason("cudnn", cp, cuda, torch.bfloat16, needs_grad=True,
-                                   route_format="qsa")
+    model = ((1, 64, 12, 256), (1, 64, 1, 256), 2052)
+    fa4 = _declines("fa4", model, torch.bfloat16, "cuda")
+    assert (fa4 is None or "not installed" in str(fa4)) if cls == "sm90" else "SM90" in str(fa4)
+    cp = ((1, 32, 12, 256), (1, 64, 1, 256), 2052)
     if cls == "sm100":
-        assert "context-parallel" in cudnn or "not installed" in cudnn
-        assert "QSA-format" in api.unsupported_reason("cudnn", model, cuda, torch.bfloat16,
-                                                      needs_grad=True)
+        cudnn = str(_declines("cudnn", cp, torch.bfloat16, "cuda", route_format="qsa"))
+        assert "Context parallelism" in cudnn or "not installed" in cudnn
+        assert "'qsa'-format" in str(_declines("cudnn", model, torch.bfloat16, "cuda"))
 
 
 def test_auto_puts_unverified_backends_last(monkeypatch):
@@ -260,13 +348,16 @@ def test_auto_puts_unverified_backends_last(monkeypatch):
 
 def _stand_in_cudnn(monkeypatch):
     """On CPU tensors: the device class reads as SM100, and "cudnn" is the reference
-    under that name (its runtime marked present)."""
-    from qsa_torch import routes
+    under that name (accepting every input, with cuDNN's route-format promise)."""
+    from types import SimpleNamespace
+
+    from qsa_torch import reference, routes
 
     monkeypatch.setattr(api, "device_class", lambda device: "sm100")
-    monkeypatch.setitem(api.BACKENDS, "cudnn", api._Backend(
-        "qsa_torch.reference", "reference_sparse_gqa_attention", (torch.bfloat16, torch.float32), True))
-    monkeypatch.setitem(api._RUNTIME_PRESENT, "cudnn", True)
+    monkeypatch.setitem(api.BACKENDS, "cudnn", api._Backend("stand-in", "reference_sparse_gqa_attention"))
+    monkeypatch.setitem(api._MODULES, "cudnn", SimpleNamespace(
+        supports=reference.supports, ROUTE_FORMAT="qsa",
+        reference_sparse_gqa_attention=reference.reference_sparse_gqa_attention))
     monkeypatch.setattr(routes, "_UNVERIFIED_WARNED", set())
 
 
@@ -291,25 +382,29 @@ def test_explicit_unverified_backend_runs_with_one_warning(rng, monkeypatch, rec
 
 def test_auto_on_blackwell_reaches_cudnn_only_after_the_verified_backends(rng, monkeypatch):
     _stand_in_cudnn(monkeypatch)
-    sizes = (1, 32, 32, 24, 2, 256, 2052)
-    cpu = torch.device("cpu")
-    pick = lambda: api._first_supported(cpu, torch.bfloat16, sizes, True, "qsa")  # noqa: E731
-    assert pick() == "triton"
-    monkeypatch.setitem(api._BROKEN, "triton", "broken for the test")
-    assert pick() == "flex"
-    monkeypatch.setitem(api._BROKEN, "flex", "broken for the test")
-    assert pick() == "cudnn"
-    assert api._first_supported(cpu, torch.bfloat16, sizes, True, "any") == "reference"
+    q = torch.zeros(1, 32, 24, 256, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 32, 2, 256, dtype=torch.bfloat16)
+    routes = torch.zeros(1, 32, 2052, dtype=torch.int64)
+
+    def pick(route_format):
+        return api._candidates(q, kv, kv, routes, 0.1, False, route_format, log=False)[0][0]
+
+    assert pick("qsa") == ("triton" if api._module("triton").supports(q, kv, kv, routes) is None else "flex")
+    monkeypatch.setitem(api._BROKEN, "triton", MissingRuntime("broken for the test"))
+    assert pick("qsa") == "flex"
+    monkeypatch.setitem(api._BROKEN, "flex", MissingRuntime("broken for the test"))
+    assert pick("qsa") == "cudnn"
+    assert pick("any") == "reference"
 
 
 _CALLS: list[tuple[str, bool]] = []
 
 
 def _flaky_backend(*args, **kwargs):
-    """Declines its first call only, as a backend that ran out of memory once would."""
+    """Declines its first call only, as a backend whose runtime failed to load once would."""
     _CALLS.append(("flaky", torch.is_grad_enabled()))
     if sum(name == "flaky" for name, _ in _CALLS) == 1:
-        raise NotImplementedError("flaky declines its first call")
+        raise UnsupportedShape("flaky declines its first call")
     from qsa_torch import reference_sparse_gqa_attention
 
     return reference_sparse_gqa_attention(*args, **kwargs)
@@ -324,8 +419,7 @@ def _steady_backend(*args, **kwargs):
 
 def _register_flaky_and_steady(monkeypatch):
     for name in ("flaky", "steady"):
-        monkeypatch.setitem(api.BACKENDS, name, api._Backend(
-            "test_torch_api", f"_{name}_backend", (torch.float32,), True))
+        _register(monkeypatch, name, f"_{name}_backend")
         monkeypatch.setitem(api.VERIFIED, name, frozenset({"cpu"}))
     monkeypatch.setitem(api.PREFERENCE, "cpu", ("flaky", "steady"))
     monkeypatch.setattr(api, "_LOGGED", set())
@@ -358,7 +452,8 @@ def test_backward_runs_the_backend_the_forward_resolved(rng, monkeypatch, caplog
 
 
 @pytest.mark.parametrize("kwargs,exc,text", [
-    (dict(backend="fastest"), ValueError, "backend"),
+    (dict(backend="fastest"), InvalidInput, "backend"),
+    (dict(deterministic="yes"), InvalidDtype, "deterministic"),
     (dict(route_format="blocks"), ValueError, "route_format"),
     (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
     (dict(softmax_scale="0.5"), TypeError, "softmax_scale"),
@@ -374,11 +469,11 @@ def test_bad_shapes_and_dtypes_are_the_contracts_errors(rng):
     problem, q, k, v, _ = _problem(rng)
     args = [torch.tensor(x, dtype=torch.float32) for x in (q, k, v)]
     routes = torch.from_numpy(problem.routes)
-    with pytest.raises(ValueError, match="query"):
+    with pytest.raises(InvalidInput, match="query"):
         api.sparse_gqa_attention(args[0][0], *args[1:], routes)
-    with pytest.raises(TypeError, match="selected_token_ids"):
+    with pytest.raises(InvalidDtype, match="selected_token_ids"):
         api.sparse_gqa_attention(*args, routes.float())
-    with pytest.raises(TypeError, match="key"):
+    with pytest.raises(InvalidDtype, match="key"):
         api.sparse_gqa_attention(args[0], args[1].double(), args[2], routes)
 
 
@@ -461,18 +556,18 @@ def test_auto_takes_the_triton_pair_where_triton_comes_first(rng, monkeypatch, c
     assert len(calls) == 1
     _assert_matches_oracle(got, q, k, v, problem.routes, 0.3, do)
 
-    # a NotImplementedError from the pair: "auto" falls back to the generic op, logged
+    # a decline from the pair: "auto" falls back to the next backend, logged
     from qsa_torch import triton_qsa
 
     def declines(*args, **kwargs):
-        raise NotImplementedError("declined for the test")
+        raise UnsupportedShape("declined for the test")
 
     monkeypatch.setattr(triton_qsa, "forward_with_residuals", declines)
     with caplog.at_level(logging.WARNING, logger="qsa_torch"):
         again = run_torch(api.sparse_gqa_attention, q, k, v, problem.routes, 0.3, do, "float32")
     assert "declined for the test" in caplog.text
     _assert_matches_oracle(again, q, k, v, problem.routes, 0.3, do)
-    with pytest.raises(NotImplementedError):  # a named backend does not fall back
+    with pytest.raises(BackendDeclined):  # a named backend does not fall back
         api.sparse_gqa_attention(*_leaves(q, k, v), torch.from_numpy(problem.routes), backend="triton")
 
 
@@ -609,3 +704,26 @@ def test_triton_pair_logs_its_run_and_gives_a_deterministic_backward(rng, monkey
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_deterministic_reaches_the_triton_backend(rng, monkeypatch):
+    """An explicit ``deterministic`` that differs from torch's flag reaches the Triton
+    function (forward and the backward's recomputation) through the generic op; one that
+    agrees takes the Triton op pair, whose backward reads the flag."""
+    from qsa_torch import reference_sparse_gqa_attention, triton_qsa
+
+    seen = []
+
+    def spy(*args, deterministic=None, **kwargs):
+        seen.append(deterministic)
+        return reference_sparse_gqa_attention(*args, **kwargs)
+
+    monkeypatch.setattr(triton_qsa, "triton_sparse_gqa_attention", spy)
+    monkeypatch.setattr(triton_qsa, "supports", lambda *a, **k: None)
+    monkeypatch.setattr(triton_qsa, "forward_with_residuals", lambda *a, **k: pytest.fail("took the pair"))
+    problem, q, k, v, do = _problem(rng)
+    assert not torch.are_deterministic_algorithms_enabled()
+    got = run_torch(lambda *a: api.sparse_gqa_attention(*a, backend="triton", deterministic=True), q, k, v,
+                    problem.routes, 0.3, do, "float32")
+    assert seen == [True, True]
+    _assert_matches_oracle(got, q, k, v, problem.routes, 0.3, do)
