@@ -359,7 +359,8 @@ def sparse_gqa_attention(
             ``deterministic`` neither bool nor None.
         BackendDeclined: the explicitly named backend declined (its subclass says why).
         NoBackendAvailable: every ``"auto"`` candidate declined; ``reasons`` holds each.
-        Anything else a backend raises (``torch.OutOfMemoryError`` included).
+        Exception: anything else a backend raises propagates unchanged
+            (``torch.OutOfMemoryError`` included: no fallback after it).
     """
     checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
     deterministic = resolve_deterministic(deterministic)
