@@ -707,23 +707,28 @@ def test_triton_pair_logs_its_run_and_gives_a_deterministic_backward(rng, monkey
 
 
 def test_deterministic_reaches_the_triton_backend(rng, monkeypatch):
-    """An explicit ``deterministic`` that differs from torch's flag reaches the Triton
-    function (forward and the backward's recomputation) through the generic op; one that
-    agrees takes the Triton op pair, whose backward reads the flag."""
+    """The dispatcher hands the resolved ``deterministic`` to the Triton op pair: an
+    explicit value as given, None as torch's deterministic-algorithms flag reads."""
     from qsa_torch import reference_sparse_gqa_attention, triton_qsa
 
     seen = []
 
-    def spy(*args, deterministic=None, **kwargs):
+    def spy(query, key, value, routes, scale, *, deterministic=None, block_sizes=None):
         seen.append(deterministic)
-        return reference_sparse_gqa_attention(*args, **kwargs)
+        return reference_sparse_gqa_attention(query, key, value, routes, scale)
 
-    monkeypatch.setattr(triton_qsa, "triton_sparse_gqa_attention", spy)
+    monkeypatch.setattr(triton_qsa, "checked_attention", spy)
     monkeypatch.setattr(triton_qsa, "supports", lambda *a, **k: None)
-    monkeypatch.setattr(triton_qsa, "forward_with_residuals", lambda *a, **k: pytest.fail("took the pair"))
     problem, q, k, v, do = _problem(rng)
     assert not torch.are_deterministic_algorithms_enabled()
-    got = run_torch(lambda *a: api.sparse_gqa_attention(*a, backend="triton", deterministic=True), q, k, v,
-                    problem.routes, 0.3, do, "float32")
-    assert seen == [True, True]
-    _assert_matches_oracle(got, q, k, v, problem.routes, 0.3, do)
+    for deterministic in (True, False, None):
+        got = run_torch(lambda *a: api.sparse_gqa_attention(*a, backend="triton", deterministic=deterministic),
+                        q, k, v, problem.routes, 0.3, do, "float32")
+        _assert_matches_oracle(got, q, k, v, problem.routes, 0.3, do)
+    torch.use_deterministic_algorithms(True)
+    try:
+        run_torch(lambda *a: api.sparse_gqa_attention(*a, backend="triton"), q, k, v, problem.routes, 0.3, do,
+                  "float32")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert seen == [True, False, False, True]
