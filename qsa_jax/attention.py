@@ -191,13 +191,13 @@ def sparse_gqa_attention(
     reasons: dict[str, BackendDeclined] = {}
     for position, name in enumerate(names):
         try:
+            if name == "triton" and interpret:
+                raise UnsupportedOption("the jax-triton launch has no interpret mode (use implementation='pallas')")
             module = _module(name)
             declined = module.supports(query, key, value, routes, softmax_scale=checked.scale,
                                        deterministic=deterministic)
             if declined is not None:
                 raise declined
-            if name == "triton" and interpret:
-                raise UnsupportedOption("the jax-triton launch has no interpret mode (use implementation='pallas')")
             return partitioned(  # the call, partitioned by the inputs' shardings (qsa_jax.sharding)
                 _RUNNERS[name], query, key, value, routes, checked.scale,
                 block_sizes=block_sizes, interpret=interpret, deterministic=deterministic,

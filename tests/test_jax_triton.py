@@ -38,7 +38,7 @@ from qsa_common.layouts import make_problem  # noqa: E402
 from qsa_common.oracle import oracle_forward_backward, relative_error  # noqa: E402
 from qsa_jax import triton_qsa as jt  # noqa: E402
 from qsa_jax._triton_call import operand as jax_operand  # noqa: E402
-from qsa_common.errors import UnsupportedDtype, UnsupportedShape  # noqa: E402
+from qsa_common.errors import BackendDeclined, UnsupportedDtype, UnsupportedShape  # noqa: E402
 from qsa_triton import driver  # noqa: E402
 from qsa_triton import launch as spec  # noqa: E402
 from qsa_triton.config import SAFE_BLOCK_SIZES, BlockSizes  # noqa: E402
