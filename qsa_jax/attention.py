@@ -104,8 +104,8 @@ def _run_pallas(query, key, value, routes, scale, *, block_sizes, interpret, det
 
 def _run_triton(query, key, value, routes, scale, *, block_sizes, interpret, deterministic):
     del interpret  # refused before the call: the jax-triton launch has no interpret mode
-    return _module("triton").triton_sparse_gqa_attention(query, key, value, routes, scale, block_sizes=block_sizes,
-                                                         deterministic=deterministic)
+    return _module("triton").checked_attention(query, key, value, routes, scale, block_sizes=block_sizes,
+                                               deterministic=deterministic)
 
 
 _RUNNERS = {"xla": _run_xla, "pallas": _run_pallas, "triton": _run_triton}

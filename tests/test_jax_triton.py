@@ -250,8 +250,8 @@ def test_deterministic_dispatch(monkeypatch):
     x = _on_cpu(jnp.asarray(np.random.default_rng(0).standard_normal((1, 6, 2, 16)), jnp.float32))
     routes = np.array([[[0, 1], [1, -1], [2, 0], [3, 5], [-1, -1], [4, 2]]])
     seen = []
-    monkeypatch.setattr(jt, "triton_sparse_gqa_attention",
-                        lambda *a, deterministic, **kw: seen.append(deterministic) or a[0])
+    monkeypatch.setattr(jt, "checked_attention", lambda *a, deterministic, **kw: seen.append(deterministic) or a[0])
+    monkeypatch.setattr(jt, "supports", lambda *a, **kw: None)  # as on a GPU with jax-triton
     sparse_gqa_attention(x, x, x, routes, implementation="triton", deterministic=True)
     assert seen == [True]
     with pytest.raises(DeterminismUnavailable, match="deterministic"):
@@ -930,11 +930,13 @@ def test_both_frameworks_decline_alike(monkeypatch):
         assert type(got_torch) is type(got_jax) is cls and str(got_torch) == str(got_jax), (got_torch, got_jax)
     monkeypatch.setattr(spec, "interprets", lambda: False)  # compiled kernels, every runtime present
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object())
+    monkeypatch.setattr(tt, "_HAS_TRITON", True)  # torch looks it up at import (dynamo traces supports)
     got_torch, got_jax = both(16, "bfloat16")
     assert type(got_torch) is type(got_jax) is UnsupportedDevice and str(got_torch) == str(got_jax)
     assert "CUDA" in str(got_torch) and "cpu" in str(got_torch)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)  # no runtime
+    monkeypatch.setattr(tt, "_HAS_TRITON", False)
     got_torch, got_jax = both(16, "bfloat16")
     assert isinstance(got_torch, MissingRuntime) and isinstance(got_jax, MissingRuntime)
     assert "'triton' package" in str(got_torch) and "'jax_triton' package" in str(got_jax)
-    assert all("pip install" in str(e) and "qsa[" in str(e) for e in (got_torch, got_jax))
+    assert all("pip install" in str(e) and "qsa-kernels[" in str(e) for e in (got_torch, got_jax))

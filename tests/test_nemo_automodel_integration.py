@@ -661,7 +661,7 @@ def test_unknown_upstream_versions(upstream, monkeypatch, caplog):
     monkeypatch.undo()
 
     monkeypatch.setitem(sys.modules, f"{UPSTREAM}.layers", None)
-    with pytest.raises(ImportError, match=r"qsa\[upstream\]"):
+    with pytest.raises(ImportError, match=r"qsa-kernels\[upstream\]"):
         upstream.use_qsa_torch(layer)
 
 

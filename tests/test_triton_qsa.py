@@ -334,6 +334,7 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 
 def test_missing_triton_raises_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setattr(triton_qsa, "_HAS_TRITON", False)  # looked up at import
     for name in ("forward", "backward", "union_keys", "union_merge", "union_cut"):
         monkeypatch.delitem(sys.modules, f"qsa_triton.{name}", raising=False)
     _triton_launch.interpreted.cache_clear()
