@@ -58,7 +58,7 @@ class Environment:
     triton_interpret: bool
 
     @staticmethod
-    def detect(frameworks: tuple[str, ...] = ("torch", "jax")) -> "Environment":
+    def detect(frameworks: tuple[str, ...] = ("torch", "jax")) -> Environment:
         """Probe the frameworks named (only those are imported)."""
         device, capability, platform = "", None, ""
         if "torch" in frameworks:

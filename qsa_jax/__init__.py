@@ -14,7 +14,6 @@ in :mod:`qsa_jax.indexer`.
 """
 
 import qsa_common._need_jax  # noqa: F401  (first: an ImportError naming the extra to install)
-
 from qsa_common.errors import (
     BackendDeclined,
     DeterminismUnavailable,
@@ -33,8 +32,7 @@ from qsa_common.route_check import RouteReport
 from .attention import sparse_gqa_attention
 from .context_parallel import context_parallel_sparse_gqa_attention
 from .indexer import qsa_indexer_routes
-from .routes import (check_routes, generate_problem, membership_table, normalize_routes, prepare_routes,
-                     validate_inputs)
+from .routes import check_routes, generate_problem, membership_table, normalize_routes, prepare_routes, validate_inputs
 from .xla_reference import reference_sparse_gqa_attention
 
 # The same names as qsa_torch.__all__ for the same things (docs/api-names.md); the

@@ -43,7 +43,7 @@ class Geometry:
     flat: bool = False
 
     @staticmethod
-    def make(group: int, head_dim: int, block_m: int, block_k: int, flat: bool = False) -> "Geometry":
+    def make(group: int, head_dim: int, block_m: int, block_k: int, flat: bool = False) -> Geometry:
         head_dim_pad = max(16, next_pow2(head_dim))
         group_pad = next_pow2(group)
         if flat and group != group_pad:

@@ -47,12 +47,25 @@ import logging
 from collections.abc import Sequence
 from types import ModuleType
 
-from qsa_common.errors import (BackendDeclined, InvalidDtype, InvalidInput, MissingRuntime, UnsupportedOption,
-                               as_declined, no_backend_available)
+from qsa_common.errors import (
+    BackendDeclined,
+    InvalidDtype,
+    InvalidInput,
+    MissingRuntime,
+    UnsupportedOption,
+    as_declined,
+    no_backend_available,
+)
 from qsa_common.log_once import log_once
 
-from .routes import (DETERMINISTIC_XLA_FLAGS, on_gpu, prepare_routes, resolve_deterministic, validate_inputs,
-                     xla_gpu_deterministic)
+from .routes import (
+    DETERMINISTIC_XLA_FLAGS,
+    on_gpu,
+    prepare_routes,
+    resolve_deterministic,
+    validate_inputs,
+    xla_gpu_deterministic,
+)
 from .sharding import partitioned
 
 __all__ = ["sparse_gqa_attention", "IMPLEMENTATIONS", "ALIASES", "GPU_DEFAULT", "DETERMINISTIC_XLA_FLAGS",

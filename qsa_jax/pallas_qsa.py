@@ -30,8 +30,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from qsa_common.errors import (BackendDeclined, DeterminismUnavailable, UnsupportedDevice, UnsupportedDtype,
-                               UnsupportedOption, UnsupportedShape)
+from qsa_common.errors import (
+    BackendDeclined,
+    DeterminismUnavailable,
+    UnsupportedDevice,
+    UnsupportedDtype,
+    UnsupportedOption,
+    UnsupportedShape,
+)
 from qsa_triton.config import block_shared_memory
 
 from ._pallas_kernels import backward_kernel, forward_kernel
@@ -94,7 +100,7 @@ class BlockSizes:
 
     @classmethod
     def default(cls, head_dim: int, interpret: bool, dtype=jnp.bfloat16,
-                capability: tuple[int, int] | None = None) -> "BlockSizes":
+                capability: tuple[int, int] | None = None) -> BlockSizes:
         """The defaults. Chosen on H200 for D=256 bf16 (S=32768, (24,2), QSA routes; see
         docs/benchmarks.md): flat programs over 64-ID chunks, 128 pairs and 2 stages
         forward, 64 pairs backward (which then sorts its own unions). Every tile must fit

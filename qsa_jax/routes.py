@@ -25,8 +25,16 @@ import numpy as np
 
 from qsa_common import layouts as _layouts
 from qsa_common import route_check as _route_check
-from qsa_common.contract import (ProblemDims, check_bool_or_none, check_dtypes, check_route_dtype, check_shapes,
-                                  device_mismatch, not_an_array, resolve_scale)
+from qsa_common.contract import (
+    ProblemDims,
+    check_bool_or_none,
+    check_dtypes,
+    check_route_dtype,
+    check_shapes,
+    device_mismatch,
+    not_an_array,
+    resolve_scale,
+)
 from qsa_common.errors import InvalidInput, UnsupportedDtype, UnsupportedShape
 
 __all__ = [

@@ -17,7 +17,14 @@ import jax.numpy as jnp
 from qsa_common.contract import check_chunk_rows
 from qsa_common.errors import BackendDeclined, DeterminismUnavailable
 
-from .routes import DETERMINISTIC_XLA_FLAGS, normalize_routes, on_gpu, prepare_routes, validate_inputs, xla_gpu_deterministic
+from .routes import (
+    DETERMINISTIC_XLA_FLAGS,
+    normalize_routes,
+    on_gpu,
+    prepare_routes,
+    validate_inputs,
+    xla_gpu_deterministic,
+)
 
 __all__ = ["reference_sparse_gqa_attention", "supports"]
 

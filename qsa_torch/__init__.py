@@ -7,7 +7,6 @@ torch and numpy.
 """
 
 import qsa_common._need_torch  # noqa: F401  (first: an ImportError naming the extra to install)
-
 from qsa_common.errors import (
     BackendDeclined,
     DeterminismUnavailable,

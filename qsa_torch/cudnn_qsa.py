@@ -35,11 +35,27 @@ from typing import Any
 
 import torch
 
-from qsa_common.errors import (BackendDeclined, DeterminismUnavailable, InvalidInput, MissingRuntime,
-                               UnsupportedDevice, UnsupportedDtype, UnsupportedShape)
+from qsa_common.errors import (
+    BackendDeclined,
+    DeterminismUnavailable,
+    InvalidInput,
+    MissingRuntime,
+    UnsupportedDevice,
+    UnsupportedDtype,
+    UnsupportedShape,
+)
 
-from .routes import (ProblemDims, check_deterministic_backward, dense_aligned, dtype_name, needs_grad,
-                     refuse_nondeterministic_backward, validate_inputs, validate_routes, warn_unverified)
+from .routes import (
+    ProblemDims,
+    check_deterministic_backward,
+    dense_aligned,
+    dtype_name,
+    needs_grad,
+    refuse_nondeterministic_backward,
+    validate_inputs,
+    validate_routes,
+    warn_unverified,
+)
 
 __all__ = ["ROUTE_FORMAT", "cudnn_sparse_gqa_attention", "supports"]
 

@@ -27,8 +27,14 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from qsa_common.errors import (BackendDeclined, DeterminismUnavailable, MissingRuntime, UnsupportedDevice,
-                               UnsupportedDtype, UnsupportedShape)
+from qsa_common.errors import (
+    BackendDeclined,
+    DeterminismUnavailable,
+    MissingRuntime,
+    UnsupportedDevice,
+    UnsupportedDtype,
+    UnsupportedShape,
+)
 
 from .routes import ProblemDims, check_deterministic_backward, dtype_name, membership_table, needs_grad, validate_inputs
 from .routes import available_device_bytes as _available_bytes
@@ -89,12 +95,11 @@ def _load_fa4():
     """
     global cutlass, _fa_utils
     try:
+        import cutlass as cutlass_module
+        import cutlass.cute as cute
         from flash_attn.cute import flash_attn_func
         from flash_attn.cute import utils as fa_utils
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-
-        import cutlass as cutlass_module
-        import cutlass.cute as cute
     except ImportError as exc:
         raise MissingRuntime(
             "fa4_sparse_gqa_attention needs flash-attn-4 (the `flash_attn.cute` package and "

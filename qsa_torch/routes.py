@@ -18,8 +18,16 @@ import torch
 
 from qsa_common import layouts as _layouts
 from qsa_common import route_check as _route_check
-from qsa_common.contract import (ProblemDims, check_bool_or_none, check_dtypes, check_route_dtype, check_shapes,
-                                  device_mismatch, not_an_array, resolve_scale)
+from qsa_common.contract import (
+    ProblemDims,
+    check_bool_or_none,
+    check_dtypes,
+    check_route_dtype,
+    check_shapes,
+    device_mismatch,
+    not_an_array,
+    resolve_scale,
+)
 from qsa_common.errors import DeterminismUnavailable, InvalidInput, UnsupportedDtype
 
 __all__ = [

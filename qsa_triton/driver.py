@@ -16,8 +16,9 @@ dispatchers validate them once).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from . import launch as spec
 from .plan import MAX_GRID_Y, CutStep, KeyPlan, Plan, SortStep, backward_cut, rank_recipe, tile_cut, union_recipe

@@ -24,8 +24,17 @@ import numpy as np
 
 from qsa_common.errors import InvalidInput, UnsupportedShape
 
-from .plan import (INT32_MAX, MAX_GRID_X, CutStep, Plan, SortStep, fold_grid, min_backward_block_k,
-                   offsets_fit_int32, rank_words)
+from .plan import (
+    INT32_MAX,
+    MAX_GRID_X,
+    CutStep,
+    Plan,
+    SortStep,
+    fold_grid,
+    min_backward_block_k,
+    offsets_fit_int32,
+    rank_words,
+)
 
 __all__ = ["Output", "Launch", "Attempt", "Operand", "UNION_BLOCK", "UNION_WARPS", "UNION_STAGES", "RANK_WARPS",
            "RANK_SCRATCH_BYTES",

@@ -183,7 +183,7 @@ class KeyPlan:
 
     @staticmethod
     def make(n_groups: int, t: int, k: int, kv_length: int, *, wide_keys: bool = True,
-             min_groups: int = MIN_GROUPS_PER_SORT) -> "KeyPlan":
+             min_groups: int = MIN_GROUPS_PER_SORT) -> KeyPlan:
         """``wide_keys`` False (a framework without int64 arrays): int32 keys always, one
         group per sort where no group bits fit; UnsupportedShape where the low bits
         alone need more than 31."""

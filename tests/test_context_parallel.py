@@ -15,10 +15,9 @@ import time
 
 import numpy as np
 import pytest
+from contract_base import TOLERANCE, random_inputs
 
 from qsa_common.errors import DeterminismUnavailable, UnsupportedDevice, UnsupportedOption
-
-from contract_base import TOLERANCE, random_inputs
 from qsa_common.layouts import make_problem
 from qsa_common.oracle import oracle_forward_backward, relative_error
 
@@ -149,7 +148,6 @@ def test_jax_cp_passes_deterministic_and_kernel_options_through(host_devices):
 
 
 def test_jax_cp_rejects_bad_layouts(host_devices):
-    import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
 

@@ -21,9 +21,9 @@ import types
 import numpy as np
 import pytest
 import torch
-
 from contract_base import BackendContract, random_inputs
 from runners import run_torch
+
 from qsa_common.layouts import make_problem
 from qsa_common.oracle import relative_error
 from qsa_torch import cudnn_qsa

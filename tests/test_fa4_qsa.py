@@ -17,9 +17,9 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import torch
-
 from contract_base import BackendContract, random_inputs
 from runners import run_torch
+
 from qsa_common.generators import FAMILIES
 from qsa_common.layouts import LAYOUTS, make_problem
 from qsa_common.oracle import membership, oracle_forward_backward, relative_error

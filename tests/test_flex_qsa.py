@@ -15,10 +15,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from contract_base import TOLERANCE, BackendContract, random_inputs
 from runners import run_torch
 from test_validation import CASES, good
+
 from qsa_common.generators import adversarial_routes
 from qsa_common.layouts import make_problem
 from qsa_common.oracle import membership, oracle_forward_backward, relative_error

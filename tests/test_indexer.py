@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from test_routes import check_qsa_format
 
 HEADS, DIM = 3, 8

@@ -29,16 +29,16 @@ if not torch.cuda.is_available():
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
 from contract_base import TOLERANCE, BackendContract, UnroutedRowsIsolated, random_inputs  # noqa: E402
 from runners import run_jax  # noqa: E402
 from union_oracle import assert_unions_equal, flat_unions, tile_unions  # noqa: E402
+
+from qsa_common.errors import BackendDeclined, UnsupportedDtype, UnsupportedShape  # noqa: E402
 from qsa_common.generators import adversarial_routes  # noqa: E402
 from qsa_common.layouts import make_problem  # noqa: E402
 from qsa_common.oracle import oracle_forward_backward, relative_error  # noqa: E402
 from qsa_jax import triton_qsa as jt  # noqa: E402
 from qsa_jax._triton_call import operand as jax_operand  # noqa: E402
-from qsa_common.errors import BackendDeclined, UnsupportedDtype, UnsupportedShape  # noqa: E402
 from qsa_triton import driver  # noqa: E402
 from qsa_triton import launch as spec  # noqa: E402
 from qsa_triton.config import SAFE_BLOCK_SIZES, BlockSizes  # noqa: E402

@@ -69,7 +69,6 @@ def qsa_layer(config, dtype: str, seed: int = 0):
 def rotary(config, positions, dtype):
     """Upstream's freqs_cis [B, S, r] for positions [B, S] (text: three equal mRoPE streams)."""
     import torch
-
     from nemo_automodel.components.models.qwen3_5_moe.model import Fp32SafeQwen3_5MoeTextRotaryEmbedding
 
     rope = Fp32SafeQwen3_5MoeTextRotaryEmbedding(config=config)
@@ -195,7 +194,6 @@ def test_importing_qsa_torch_and_the_integration_leaves_nemo_automodel_alone():
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_layer_matches_upstream_and_runs_our_op(upstream, monkeypatch, layout, dtype):
-    import torch
 
     qsa = upstream_module("qsa")
     config = small_config(dtype)
@@ -700,7 +698,6 @@ def test_gpu_benchmark_script_dry_run(upstream, tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 def test_auto_on_cuda_matches_upstream_flex_and_skips_its_mask(upstream):
-    import torch
 
     config = small_config(dtype="bfloat16")
     layer = qsa_layer(config, "bfloat16").cuda()

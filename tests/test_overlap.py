@@ -11,7 +11,13 @@ import pytest
 from qsa_common.generators import adversarial_routes, qsa_format_routes, qsa_width, random_routes
 from qsa_common.layouts import context_parallel_shard, make_problem
 from qsa_common.route_stats import (
-    FLAT_128, Tiling, adjacent_jaccard, key_tile_inflation, mean_adjacent_jaccard, route_stats, union_inflation,
+    FLAT_128,
+    Tiling,
+    adjacent_jaccard,
+    key_tile_inflation,
+    mean_adjacent_jaccard,
+    route_stats,
+    union_inflation,
 )
 
 

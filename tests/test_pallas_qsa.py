@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from qsa_common.errors import NoBackendAvailable, UnsupportedDevice, UnsupportedShape
-
 from contract_base import TOLERANCE, BackendContract, UnroutedRowsIsolated, random_inputs
 from runners import run_jax
+
+from qsa_common.errors import NoBackendAvailable, UnsupportedDevice, UnsupportedShape
 from qsa_common.generators import adversarial_routes
 from qsa_common.layouts import make_problem
 from qsa_common.oracle import membership, oracle_forward_backward, relative_error

@@ -12,6 +12,7 @@ pytest.importorskip("torch")
 pytest.importorskip("jax")
 
 from contract_base import TOLERANCE as CONTRACT_TOLERANCE  # noqa: E402
+
 from parity import backends as parity_backends  # noqa: E402
 from parity.__main__ import main  # noqa: E402
 from parity.backends import Backend, Case, Environment, static_reason  # noqa: E402

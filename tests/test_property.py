@@ -30,10 +30,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+from contract_base import TOLERANCE, round_to
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contract_base import TOLERANCE, round_to
 from qsa_common.oracle import membership, oracle_forward_backward
 
 _GPU_PROFILE = settings.get_current_profile_name() == "gpu"

@@ -296,8 +296,7 @@ def test_weights_round_trip_bit_exact(dtype):
     from flax import nnx
 
     from parity.layers import LayerCase, upstream_layer
-    from qsa_jax.qwen3_8_flash_next import (QSAAttention, QSAConfig, load_torch_state_dict,
-                                            to_torch_state_dict)
+    from qsa_jax.qwen3_8_flash_next import QSAAttention, QSAConfig, load_torch_state_dict, to_torch_state_dict
 
     seed = int(np.random.default_rng().integers(2**31))
     torch_layer, _, _ = upstream_layer(LayerCase("padded", dtype, "noise", 8, (8,)), seed)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from contract_base import BackendContract, UnroutedRowsIsolated, random_inputs
 from runners import run_jax, run_torch
+
 from qsa_common.layouts import make_problem
 from qsa_common.oracle import oracle_forward_backward, relative_error
 
@@ -78,13 +78,12 @@ def test_jax_reference_under_jit_and_vmap():
 
 @pytest.mark.parametrize("layout", ["padded", "packed", "cp"])
 def test_frameworks_agree_on_identical_inputs(layout):
+    import jax
     import jax.numpy as jnp
     import torch
 
     from qsa_jax import reference_sparse_gqa_attention as jax_reference
     from qsa_torch import reference_sparse_gqa_attention
-
-    import jax
 
     rng = np.random.default_rng()
     problem = make_problem(layout, "adversarial", seed=int(rng.integers(2**31)), seq_len=32, width=12, rank=1)

@@ -141,7 +141,8 @@ def test_normalize_matches_set_semantics(routes, kv_length, sort):
     import jax.numpy as jnp
     import torch
 
-    from qsa_jax.routes import normalize_routes as jax_norm, prepare_routes
+    from qsa_jax.routes import normalize_routes as jax_norm
+    from qsa_jax.routes import prepare_routes
     from qsa_torch.routes import normalize_routes as torch_norm
 
     want = canonical_sets(routes, kv_length)
@@ -174,7 +175,8 @@ def test_membership_tables_match_sets():
     import torch
 
     from qsa_common.oracle import membership
-    from qsa_jax.routes import membership_table as jax_table, prepare_routes
+    from qsa_jax.routes import membership_table as jax_table
+    from qsa_jax.routes import prepare_routes
     from qsa_torch.routes import membership_table as torch_table
 
     routes = adversarial_routes(30, width=10, rng=np.random.default_rng())[None]

@@ -8,11 +8,19 @@ import warnings
 
 import numpy as np
 import pytest
-
 from contract_base import BackendContract, random_inputs
 from runners import run_torch
-from qsa_common.errors import (BackendDeclined, DeterminismUnavailable, InvalidDtype, InvalidInput, MissingRuntime,
-                               NoBackendAvailable, UnsupportedDevice, UnsupportedShape)
+
+from qsa_common.errors import (
+    BackendDeclined,
+    DeterminismUnavailable,
+    InvalidDtype,
+    InvalidInput,
+    MissingRuntime,
+    NoBackendAvailable,
+    UnsupportedDevice,
+    UnsupportedShape,
+)
 from qsa_common.layouts import make_problem
 from qsa_common.oracle import oracle_forward_backward, relative_error
 

@@ -24,9 +24,9 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
 from contract_base import TOLERANCE, BackendContract, UnroutedRowsIsolated, random_inputs  # noqa: E402
 from runners import run_torch  # noqa: E402
+
 from qsa_common.generators import adversarial_routes, random_routes  # noqa: E402
 from qsa_common.layouts import make_problem  # noqa: E402
 from qsa_common.oracle import oracle_forward_backward, relative_error  # noqa: E402

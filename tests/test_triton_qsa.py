@@ -24,14 +24,14 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
 from contract_base import TOLERANCE, BackendContract, UnroutedRowsIsolated, random_inputs  # noqa: E402
 from runners import run_torch  # noqa: E402
 from union_oracle import assert_unions_equal, flat_unions, tile_unions  # noqa: E402
+
+from qsa_common.errors import MissingRuntime, UnsupportedDevice, UnsupportedDtype, UnsupportedShape  # noqa: E402
 from qsa_common.generators import adversarial_routes, random_routes  # noqa: E402
 from qsa_common.layouts import make_problem  # noqa: E402
 from qsa_common.oracle import membership, oracle_forward_backward, relative_error  # noqa: E402
-from qsa_common.errors import MissingRuntime, UnsupportedDevice, UnsupportedDtype, UnsupportedShape  # noqa: E402
 from qsa_torch import _triton_launch, triton_qsa  # noqa: E402
 from qsa_torch.routes import normalize_routes, to_torch_routes  # noqa: E402
 from qsa_torch.triton_qsa import (  # noqa: E402
@@ -41,8 +41,7 @@ from qsa_torch.triton_qsa import (  # noqa: E402
 )
 from qsa_triton import driver  # noqa: E402
 from qsa_triton import launch as spec  # noqa: E402
-from qsa_triton.plan import (KeyPlan, SortStep, flat_span, flat_union_rows, fold_grid, make_plan,  # noqa: E402
-                             offsets_fit_int32)
+from qsa_triton.plan import KeyPlan, SortStep, flat_span, flat_union_rows, fold_grid, make_plan, offsets_fit_int32  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ADAPTER = _triton_launch.adapter(DEVICE)  # the torch adapter of qsa_triton.driver
@@ -902,8 +901,7 @@ def test_default_block_sizes_by_capability(capability, tuned):
     """Without the driver's figure (JAX), the tuned tiles go where the capability's blocks
     may take TUNED_SHARED_MEMORY (SM90, SM100); on SM90+ a driver's figure decides instead,
     and before SM90 the tiles are the safe ones whatever the figure."""
-    from qsa_triton.config import (DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, TUNED_SHARED_MEMORY,
-                                   default_block_sizes)
+    from qsa_triton.config import DEFAULT_BLOCK_SIZES, SAFE_BLOCK_SIZES, TUNED_SHARED_MEMORY, default_block_sizes
 
     got = default_block_sizes(capability, 256, "bfloat16")
     assert got == (DEFAULT_BLOCK_SIZES if tuned else SAFE_BLOCK_SIZES)

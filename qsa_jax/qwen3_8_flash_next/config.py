@@ -119,7 +119,7 @@ class QSAConfig:
         return _DTYPES[self.dtype]
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> "QSAConfig":
+    def from_dict(cls, config: Mapping[str, Any]) -> QSAConfig:
         """The layer's fields from an upstream text config dict (``config.json``'s
         ``text_config``, or ``PretrainedConfig.to_dict()``); other keys are ignored.
         ``rope_theta`` and ``partial_rotary_factor`` come from ``rope_parameters``

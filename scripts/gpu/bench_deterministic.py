@@ -78,7 +78,8 @@ def sanitizer_probe() -> int:
     from contract_base import random_inputs
 
     from qsa_common.layouts import make_problem
-    from qsa_common.oracle import oracle_forward_backward, relative_error as oracle_error
+    from qsa_common.oracle import oracle_forward_backward
+    from qsa_common.oracle import relative_error as oracle_error
     from qsa_torch import triton_qsa
     from qsa_triton.config import SAFE_BLOCK_SIZES, BlockSizes
 

@@ -34,9 +34,8 @@ import tempfile
 import time
 import traceback
 
-from gpu_common import relative_error  # noqa: E402  (puts the repository root on sys.path)
-
 import numpy as np  # noqa: E402
+from gpu_common import relative_error  # noqa: E402  (puts the repository root on sys.path)
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 NAMES = ("out", "dq", "dk", "dv")

@@ -6,14 +6,21 @@ The cross-rank input check, the all-gather into one tensor and the reduce-scatte
 dK/dV run as on several GPUs, against the torch reference (out, dq, dk, dv); then a
 refused input (float routes) must raise TypeError. Prints NCCL_CP_OK or NCCL_CP_FAIL.
 """
-import os, sys, tempfile
-import torch, torch.distributed as dist
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 path = tempfile.mktemp()
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
-from qsa_torch.context_parallel import context_parallel_sparse_gqa_attention as cp, gather_sequence
 from qsa_torch import reference_sparse_gqa_attention as ref
+from qsa_torch.context_parallel import context_parallel_sparse_gqa_attention as cp
+from qsa_torch.context_parallel import gather_sequence
+
 g = torch.Generator(device="cuda").manual_seed(0)
 q, k, v, do = (torch.randn(s, device="cuda", generator=g) for s in ((2, 64, 4, 32), (2, 64, 2, 32), (2, 64, 2, 32), (2, 64, 4, 32)))
 routes = torch.randint(-1, 64, (2, 64, 9), device="cuda", generator=g)

@@ -37,11 +37,10 @@ import sys
 import time
 import traceback
 
-from gpu_common import ROOT, relative_error as rel  # noqa: E402  (puts the repository root on sys.path)
-
 import numpy as np  # noqa: E402
-
 import torch  # noqa: E402
+from gpu_common import ROOT  # noqa: E402  (puts the repository root on sys.path)
+from gpu_common import relative_error as rel
 
 START = time.time()
 BLACKWELL = {(10, 0): "SM100", (10, 3): "SM103"}

@@ -32,7 +32,8 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from gpu_common import cuda_ms, relative_error as rel  # noqa: E402  (puts the repository root on sys.path)
+from gpu_common import cuda_ms  # noqa: E402  (puts the repository root on sys.path)
+from gpu_common import relative_error as rel
 
 SEQ = 8192
 LONG = 49152  # B * S_q_pad * S_kv_pad > 2**31: the backend splits the call

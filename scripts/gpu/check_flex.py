@@ -37,9 +37,8 @@ import sys
 import time
 import traceback
 
-from gpu_common import relative_error as rel  # noqa: E402  (puts the repository root on sys.path)
-
 import torch  # noqa: E402
+from gpu_common import relative_error as rel  # noqa: E402  (puts the repository root on sys.path)
 
 # The environment overrides exist only for a dry run of the plumbing on CPU.
 DEVICE = os.environ.get("QSA_CHECK_DEVICE", "cuda")

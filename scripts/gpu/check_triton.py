@@ -237,7 +237,7 @@ class Bench:
 
 
 def _blocks(fwd, bwd=None):
-    from qsa_torch.triton_qsa import BlockSizes, DEFAULT_BLOCK_SIZES
+    from qsa_torch.triton_qsa import DEFAULT_BLOCK_SIZES, BlockSizes
 
     block_m, block_k, warps, stages = fwd
     kwargs = dict(block_m=block_m, block_k=block_k, num_warps=warps, num_stages=stages)

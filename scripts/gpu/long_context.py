@@ -42,7 +42,6 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX next to torch
 
 import numpy as np  # noqa: E402
-
 from gpu_common import Record, log, relative_error  # noqa: E402
 
 TOLERANCE = 1e-2  # the contract's bf16 tolerance

@@ -82,8 +82,8 @@ def probe(implementations, case=None) -> int:
     faulthandler.enable()
     import jax
     import jax.numpy as jnp
-
     from contract_base import random_inputs
+
     from qsa_common.oracle import oracle_forward_backward
     from qsa_jax import sparse_gqa_attention
 

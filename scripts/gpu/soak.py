@@ -37,7 +37,6 @@ import traceback
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX next to torch
 
 import numpy as np  # noqa: E402
-
 from gpu_common import ROOT, log, relative_error  # noqa: E402
 from long_context import torch_to_jax  # noqa: E402
 

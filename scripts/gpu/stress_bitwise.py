@@ -28,9 +28,8 @@ import os
 import sys
 import time
 
-from gpu_common import log  # noqa: E402  (puts the repository root on sys.path)
-
 import numpy as np  # noqa: E402
+from gpu_common import log  # noqa: E402  (puts the repository root on sys.path)
 
 
 def bits(x) -> np.ndarray:
