@@ -113,7 +113,8 @@ class _Progress:
                 and c.case["family"] == case.family and c.case["dtype"] == case.dtype
                 and tuple(c.case["heads"]) == case.heads]
         bad = sum(c.status in ("fail", "error") for c in done)
-        text = f"[{i + 1}/{self.total}] {case.label()}: {'FAIL' if bad else 'ok'} ({time.monotonic() - self.start:.0f} s)"
+        elapsed = time.monotonic() - self.start
+        text = f"[{i + 1}/{self.total}] {case.label()}: {'FAIL' if bad else 'ok'} ({elapsed:.0f} s)"
         if self.bar is not None:
             self.bar.update(self.task, advance=1, description=case.label())
             if bad:

@@ -248,6 +248,6 @@ def load_reason(backend: Backend) -> str | None:
     """Import the backend's function; return why that failed, or None."""
     try:
         backend.load()
-    except Exception as err:  # noqa: BLE001: any import-time failure means unavailable
+    except Exception as err:  # noqa: BLE001 -- any import-time failure means unavailable
         return f"{type(err).__name__}: {err}".strip()
     return None

@@ -308,7 +308,7 @@ def _torch_shape(backend, fn, shape: Shape, routes_np, head_dim, dtype, timer, d
         q, k, v = (t.detach() for t in leaves)
         try:
             result.update(PIECES[backend.name](q, k, v, do, routes, scale, timer, deadline))
-        except Exception as err:  # noqa: BLE001: the whole-op figures stand without the pieces
+        except Exception as err:  # noqa: BLE001 -- the whole-op figures stand without the pieces
             if "illegal memory access" in str(err) or "CUDA error" in str(err):
                 raise
             result["pieces_reason"] = f"{type(err).__name__}: {str(err)[:200]}"
@@ -418,7 +418,7 @@ def _add_fwdbwd(result: dict, timer, measure_both, may_lack_backward: bool = Fal
             raise
         result.update(fwdbwd_reason=f"no backward: {err}")
         return result
-    except Exception as err:  # noqa: BLE001: keep the forward figures when only the backward OOMs
+    except Exception as err:  # noqa: BLE001 -- keep the forward figures when only the backward OOMs
         if not _is_oom(err):
             raise
         result.update(fwdbwd_reason=f"forward+backward out of memory: {str(err)[:200]}")
@@ -530,7 +530,7 @@ def _worker(plan_path: str) -> int:
             if getattr(backend.load(), "note", ""):
                 record["note"] = backend.load().note
             previous[group] = {"seq_len": shape.seq_len, **measured}
-        except Exception as err:  # noqa: BLE001: record and go on with the next shape
+        except Exception as err:  # noqa: BLE001 -- record and go on with the next shape
             if _is_oom(err):
                 oom_at[group] = shape.seq_len
                 record = {**base, "status": "oom", "reason": f"{type(err).__name__}: {str(err)[:300]}"}

@@ -164,7 +164,7 @@ def upstream_layer(case: LayerCase, seed: int, device: str = "cpu"):
         layer = Qwen3_8_FlashNextQSAAttention(config, 3, backend)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in layer.named_parameters():
+        for p in layer.parameters():
             if p.ndim == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
             else:

@@ -84,7 +84,7 @@ def _jax_to_torch(x):
     if compare_device() == "cuda" and next(iter(x.devices())).platform == "gpu":
         try:
             return torch.from_dlpack(x)  # zero-copy: large results stay on the GPU
-        except Exception:  # noqa: BLE001: any DLPack incompatibility: go through the host
+        except Exception:  # noqa: BLE001 -- any DLPack incompatibility: go through the host
             pass
     return torch.from_numpy(np.array(x)).to(compare_device())
 

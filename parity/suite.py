@@ -338,7 +338,7 @@ class _Runner:
         except NotImplementedError as err:
             # the backend's static checks said it supports this case: refusing it is a failure
             self._cells(label, b.name, "error", f"NotImplementedError: {err}")
-        except Exception as err:  # noqa: BLE001: every other exception is a failure of this cell
+        except Exception as err:  # noqa: BLE001 -- every other exception is a failure of this cell
             message = f"{type(err).__name__}: {err}"
             if _on_gpu(b, self.env) and _device_lost(message):
                 self.device_lost = f"the device context was lost after {b.name} on {case.label()}"
@@ -394,7 +394,7 @@ class _Runner:
         try:
             (out_a, lse_a), (out_b, lse_b) = (run_forward_lse(BACKENDS[name], inputs, case.dtype)
                                               for name in (first, second))
-        except Exception as err:  # noqa: BLE001: a failure of this comparison, recorded as such
+        except Exception as err:  # noqa: BLE001 -- a failure of this comparison, recorded as such
             self.result.bitwise.append(BitwiseCell(label, first, second, float("nan"), float("nan"), backward,
                                                    "error", f"{type(err).__name__}: {err}"[:500]))
             return

@@ -22,8 +22,8 @@ device computes on:
 
 Where a sharding cannot be kept (heads sharded over axes whose size does not divide
 Hkv, query and K/V heads sharded over different axes, K/V sharded along the sequence
-while the query is not, a sharded head dim; the full list is in docs/sharding.md), the layout the partitioner would have to
-gather is taken instead: those dims are gathered (replicated) and the ``"qsa_jax"``
+while the query is not, a sharded head dim; the full list is in docs/sharding.md), the
+layout the partitioner would have to gather is taken instead: those dims are gathered (replicated) and the ``"qsa_jax"``
 logger says so once per layout at WARNING. This is what ``jax.jit`` does with any
 operation it cannot partition, made visible; it never raises.
 
@@ -62,8 +62,8 @@ _LOGGED: set[str] = set()
 
 def wants_partitioning(*arrays) -> bool:
     """Whether the call goes through the partitioned wrapper: more than one device
-    visible (of the default backend, or host devices), and some input a tracer (``jax.jit``, ``jax.grad``...) or a concrete array
-    spread over several devices."""
+    visible (of the default backend, or host devices), and some input a tracer
+    (``jax.jit``, ``jax.grad``...) or a concrete array spread over several devices."""
     if jax.device_count() < 2 and len(jax.devices("cpu")) < 2:  # host devices: a CPU mesh beside one GPU
         return False
     for x in arrays:
@@ -209,7 +209,9 @@ _forward.def_partition(partition=_fwd_partition, infer_sharding_from_operands=_f
 
 # ------------------------------------------------------------------ backward
 def _local_vjp(impl, scale, options, query, key, value, routes, grad):
-    fn = lambda q, k, v: impl(q, k, v, routes, scale, **dict(options))
+    def fn(q, k, v):
+        return impl(q, k, v, routes, scale, **dict(options))
+
     return jax.vjp(fn, query, key, value)[1](grad)
 
 
@@ -262,7 +264,9 @@ def _batchable(call, *statics):
     @run.def_vmap
     def _rule(axis_size, in_batched, *arrays):
         out = run(*(_fold(x, b, axis_size) for x, b in zip(arrays, in_batched)))
-        unfold = lambda y: y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:])
+        def unfold(y):
+            return y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:])
+
         out = jax.tree.map(unfold, out)
         return out, jax.tree.map(lambda _: True, out)
 

@@ -232,7 +232,8 @@ def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
     if declined is not None:
         return declined
     if query.dtype != torch.bfloat16:
-        return UnsupportedDtype(f"the cuDNN indexed kernels compute in bfloat16 only; query is {dtype_name(query.dtype)}")
+        return UnsupportedDtype(
+            f"the cuDNN indexed kernels compute in bfloat16 only; query is {dtype_name(query.dtype)}")
     if not _HAS_RUNTIME:
         return MissingRuntime(f"the cuDNN backend needs cuDNN Frontend, which is not installed: {_INSTALL_HINT}")
     if deterministic and needs_grad(query, key, value):
@@ -366,7 +367,8 @@ def cudnn_sparse_gqa_attention(
     """
     checked = validate_inputs(query, key, value, selected_token_ids, softmax_scale)
     if query.dtype != torch.bfloat16:
-        raise UnsupportedDtype(f"the cuDNN indexed kernels compute in bfloat16 only; query is {dtype_name(query.dtype)}")
+        raise UnsupportedDtype(
+            f"the cuDNN indexed kernels compute in bfloat16 only; query is {dtype_name(query.dtype)}")
     dims = checked.dims
     _check_supported(dims)
     check_deterministic_backward("cudnn_qsa", query, key, value)

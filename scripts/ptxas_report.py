@@ -135,9 +135,11 @@ def main(argv=None) -> int:
     results = {"triton": triton.__version__}
     for name, launch in launches(args.kernels).items():
         r = results[name] = report(name, launch, args.dump)
+        serial = (f"SERIALIZED ({', '.join(r['wgmma_serialized_by'])})" if r["wgmma_serialized"]
+                  else "not serialized")
         print(f"{name:24s} registers {r['registers']:3d}  spills {r['spill_store_bytes']:5d} B stored / "
               f"{r['spill_load_bytes']:5d} B loaded  wgmma {r['wgmma']:4d}  "
-              f"{'SERIALIZED (' + ', '.join(r['wgmma_serialized_by']) + ')' if r['wgmma_serialized'] else 'not serialized'}  "
+              f"{serial}  "
               f"shared {r['shared_bytes']} B", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -285,7 +285,7 @@ def test_bucketed_path_compiles_each_bucket_once_with_a_counting_compiler(rng, m
         buckets.add((padded.batch, padded.query_length, padded.kv_length))
     assert built == [dict(fullgraph=True, dynamic=False)]  # one compiled function
     assert len(buckets) == 7 and len(seen) == len(buckets) == len(cache.shapes)
-    for (qb, qh, qs, qd), (kb, kh, ks, kd), _ in seen:
+    for (qb, _, qs, _), (_, _, ks, _), _ in seen:
         assert (qb, qs, ks) in buckets and qs % T == 0 and ks % T == 0
     # a full cache refuses a new shape with a clear error and still runs the known ones
     monkeypatch.setattr(flex_qsa, "MAX_COMPILED_SHAPES", len(cache.shapes))

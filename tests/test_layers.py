@@ -76,7 +76,8 @@ def test_rms_norm_is_zero_centred_float32_and_keeps_the_dtype():
     out = rms_norm(xb, jnp.asarray(w), 1e-6)
     assert out.dtype == jnp.bfloat16
     want = np_norm(np.asarray(xb, np.float32), w).astype(np.float32).astype(ml_dtypes.bfloat16)
-    assert (np.abs(np.asarray(out, np.float32) - want.astype(np.float32)) <= 2.0 ** -7 * np.abs(want.astype(np.float32))).all()
+    want32 = want.astype(np.float32)
+    assert (np.abs(np.asarray(out, np.float32) - want32) <= 2.0 ** -7 * np.abs(want32)).all()
 
 
 def test_rotary_table_matches_float64_and_rotation_is_partial():

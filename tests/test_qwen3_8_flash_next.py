@@ -127,7 +127,8 @@ def test_selection_keeps_a_true_top_k_in_the_qsa_format(layout, chunk):
     mask, cu, pos, rows = _selection_layout(layout, s)
     x = jnp.asarray(rng.standard_normal((len(pos), s, cfg.hidden_size)), jnp.float32)
     freqs = rotary_freqs(cfg, pos)
-    kw = dict(attention_mask=None if mask is None else jnp.asarray(mask), cu_seqlens=None if cu is None else jnp.asarray(cu))
+    kw = dict(attention_mask=None if mask is None else jnp.asarray(mask),
+              cu_seqlens=None if cu is None else jnp.asarray(cu))
     routes = np.asarray(nnx.jit(lambda m, a, f, k: m.indexer(a, freqs_cis=f, **k))(layer, x, freqs, kw))
     assert routes.dtype == np.int32 and routes.shape == (len(pos), s, cfg.route_width)
     scores, step = port_scores(layer, x, freqs, mask, cu)
@@ -182,7 +183,8 @@ def test_frozen_indexer_is_untouched_by_an_adamw_step():
     assert not nnx.state(grads, FrozenParam), "the frozen weights get no gradient"
     for k, v in nnx.to_flat_state(nnx.state(layer, FrozenParam)):
         assert np.array_equal(np.asarray(v), frozen[k]), f"{k} changed"
-    changed = [k for k, v in nnx.to_flat_state(nnx.state(layer, nnx.Param)) if not np.array_equal(np.asarray(v), trained[k])]
+    changed = [k for k, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))
+               if not np.array_equal(np.asarray(v), trained[k])]
     assert len(changed) == len(trained), "every trainable weight moved"
     assert jax.tree.leaves(optimizer.opt_state), "an optimizer state exists for the trainable weights"
 
@@ -423,7 +425,7 @@ def test_score_bound_covers_float32_evaluations_in_any_order():
         exact, beta = score_with_bound(q, k)
         scale = np.float32(1 / np.sqrt(128))
 
-        def evaluate(order, heads):
+        def evaluate(order, heads, q=q, k=k, scale=scale):
             total = np.float32(0)
             for h in heads:
                 dot = np.float32(0)

@@ -730,8 +730,10 @@ def test_deterministic_reaches_the_triton_backend(rng, monkeypatch):
     problem, q, k, v, do = _problem(rng)
     assert not torch.are_deterministic_algorithms_enabled()
     for deterministic in (True, False, None):
-        got = run_torch(lambda *a: api.sparse_gqa_attention(*a, backend="triton", deterministic=deterministic),
-                        q, k, v, problem.routes, 0.3, do, "float32")
+        def call(*a, deterministic=deterministic):
+            return api.sparse_gqa_attention(*a, backend="triton", deterministic=deterministic)
+
+        got = run_torch(call, q, k, v, problem.routes, 0.3, do, "float32")
         _assert_matches_oracle(got, q, k, v, problem.routes, 0.3, do)
     torch.use_deterministic_algorithms(True)
     try:

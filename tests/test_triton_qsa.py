@@ -282,8 +282,10 @@ def test_int32_and_int64_routes_agree():
     results = []
     for dtype in (torch.int64, torch.int32):
         routes = to_torch_routes(problem, dtype=dtype, device=DEVICE)
-        fn = lambda q_, k_, v_, _r, s: triton_sparse_gqa_attention(  # noqa: E731
-            q_, k_, v_, routes, s, block_sizes=SMALL)
+
+        def fn(q_, k_, v_, _r, s, routes=routes):
+            return triton_sparse_gqa_attention(q_, k_, v_, routes, s, block_sizes=SMALL)
+
         results.append(run_torch(fn, q, k, v, problem.routes, 0.3, do, "float32", device=DEVICE))
         for got, ref in zip(results[-1], want):
             assert relative_error(got, ref) < 1e-5

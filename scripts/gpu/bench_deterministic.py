@@ -20,8 +20,8 @@ events (``gpu_common.cuda_ms``) of:
   allows.
 
 Writes deterministic.json (after every step) and deterministic.md under --out and
-prints a VERDICT line (the ratio to the default backward, against the target of 1.15). Each step's failure is recorded and the others
-still run.
+prints a VERDICT line (the ratio to the default backward, against the target of 1.15).
+Each step's failure is recorded and the others still run.
 
 ``--sanitizer`` instead runs compute-sanitizer memcheck over tiny problems (S <= 96, D =
 256, bf16) in a subprocess (``--sanitizer-probe``): the fixed-point backward (forward, union,
@@ -114,7 +114,7 @@ def sanitizer_probe() -> int:
         want = oracle_forward_backward(q, k, v, routes_np, d ** -0.5, do)[1:]
         errs = [oracle_error(g.double().cpu().numpy(), w) for g, w in zip(runs[0], want)]
         same = bitwise_equal(runs)
-        print("fixed point", problem.layout, heads, blocks, ["%.2e" % e for e in errs], "bitwise", same, flush=True)
+        print("fixed point", problem.layout, heads, blocks, [f"{e:.2e}" for e in errs], "bitwise", same, flush=True)
         ok = ok and same and max(errs) < 1e-2
 
     if DEVICE == "cuda":

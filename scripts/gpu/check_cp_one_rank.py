@@ -22,7 +22,8 @@ from qsa_torch.context_parallel import context_parallel_sparse_gqa_attention as 
 from qsa_torch.context_parallel import gather_sequence
 
 g = torch.Generator(device="cuda").manual_seed(0)
-q, k, v, do = (torch.randn(s, device="cuda", generator=g) for s in ((2, 64, 4, 32), (2, 64, 2, 32), (2, 64, 2, 32), (2, 64, 4, 32)))
+shapes = ((2, 64, 4, 32), (2, 64, 2, 32), (2, 64, 2, 32), (2, 64, 4, 32))
+q, k, v, do = (torch.randn(s, device="cuda", generator=g) for s in shapes)
 routes = torch.randint(-1, 64, (2, 64, 9), device="cuda", generator=g)
 res = {}
 for name, fn in (("cp", lambda a, b, c: cp(a, b, c, routes, 0.3)), ("ref", lambda a, b, c: ref(a, b, c, routes, 0.3))):
@@ -31,7 +32,7 @@ for name, fn in (("cp", lambda a, b, c: cp(a, b, c, routes, 0.3)), ("ref", lambd
     out.backward(do)
     res[name] = [out.detach(), *(x.grad for x in leaves)]
 errs = [float((a - b).norm() / b.norm()) for a, b in zip(res["cp"], res["ref"])]
-print("nccl world-1 cp vs reference (out, dq, dk, dv):", ["%.2e" % e for e in errs])
+print("nccl world-1 cp vs reference (out, dq, dk, dv):", [f"{e:.2e}" for e in errs])
 gathered = bool(torch.equal(gather_sequence(k, dim=1), k))
 print("gather_sequence equal:", gathered)
 try:

@@ -71,7 +71,7 @@ def _to_torch(x):
 
     try:
         return torch.from_dlpack(x)
-    except Exception:  # noqa: BLE001: any DLPack incompatibility: through the host
+    except Exception:  # noqa: BLE001 -- any DLPack incompatibility: through the host
         host = np.asarray(x)
         if host.dtype.name == "bfloat16":
             return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16).cuda()
@@ -130,7 +130,8 @@ def worker(layout: str, out_dir: str, budget_s: float) -> int:
     record = Record(os.path.join(out_dir, "check_jax_triton.json"), budget_s, layout=layout,
                     versions={"torch": torch.__version__, "jax": jax.__version__})
     for i, heads in enumerate(HEADS):
-        record.run("cases", f"{layout} {heads[0]}:{heads[1]}", lambda heads=heads: check_case(layout, heads, 10 + i))
+        record.run("cases", f"{layout} {heads[0]}:{heads[1]}",
+                   lambda heads=heads, i=i: check_case(layout, heads, 10 + i))
     return 0
 
 

@@ -305,7 +305,7 @@ def sanitizer_probe() -> int:
         got = run_torch(fn, q, k, v, problem.routes, d ** -0.5, do, dtype, device=DEVICE)
         want = oracle_forward_backward(q, k, v, problem.routes, d ** -0.5, do)
         errs = [relative_error(g, w) for g, w in zip(got, want)]
-        print("probe", problem.layout, heads, dtype, blocks, ["%.2e" % e for e in errs], flush=True)
+        print("probe", problem.layout, heads, dtype, blocks, [f"{e:.2e}" for e in errs], flush=True)
         worst = max(worst, max(e / tol for e in errs))
     if DEVICE == "cuda":
         torch.cuda.synchronize()

@@ -117,7 +117,7 @@ class Record:
             try:
                 value = fn()
                 entry = {"ok": True, "result": value}
-            except Exception as err:  # noqa: BLE001: one failing entry must not lose the others
+            except Exception as err:  # noqa: BLE001 -- one failing entry must not lose the others
                 value = None
                 entry = {"ok": False, "error": f"{type(err).__name__}: {err}"[:2000],
                          "traceback": traceback.format_exc()[-3000:]}

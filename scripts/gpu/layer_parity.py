@@ -179,9 +179,9 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         last = (case.seq_len, time.time() - t0)
         records.append(record)
+        route_keys = ("rows", "identical", "tie_explained", "rounding_explained", "unexplained")
         log(f"  {'PASS' if record['pass'] else 'FAIL'} in {last[1]:.0f} s",
-            {k: record["routes"][k] for k in ("rows", "identical", "tie_explained", "rounding_explained", "unexplained")}
-            if "routes" in record else record.get("error"))
+            {k: record["routes"][k] for k in route_keys} if "routes" in record else record.get("error"))
         write(args.out, command, env, records, notes)
     write(args.out, command, env, records, notes)
     log(f"wrote {args.out}/layer_parity.md")

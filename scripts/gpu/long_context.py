@@ -191,7 +191,7 @@ def torch_to_jax(torch, t):
 
     try:
         return jax.dlpack.from_dlpack(t.contiguous())
-    except Exception:  # noqa: BLE001: any DLPack refusal: copy through the host
+    except Exception:  # noqa: BLE001 -- any DLPack refusal: copy through the host
         if t.dtype == torch.bfloat16:
             bits = jnp.asarray(t.contiguous().view(torch.int16).cpu().numpy())
             return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
@@ -281,7 +281,7 @@ def main() -> int:
             small = np.random.default_rng(0).integers(-1, 4096, (1, 4096, width)).astype(np.int32)
             for hq, hkv in heads:  # compile the Triton kernels while the routes are made
                 warm = TorchCase(torch, args.device, 4096, (hq, hkv), args.head_dim, small)
-                record.run("warm-up", f"triton {hq}:{hkv}", lambda: torch_triton(warm)["first_call_s"])
+                record.run("warm-up", f"triton {hq}:{hkv}", lambda warm=warm: torch_triton(warm)["first_call_s"])
                 del warm
         record.run("routes", "generate", lambda: round(pending.result(), 1))
     if not os.path.exists(routes_path):
@@ -300,14 +300,14 @@ def main() -> int:
                                           routes_np)
         record.run(section, "reference rows", case.compute_reference)
         if args.device == "cuda":
-            failed |= record.run(section, "flex refusal", lambda: flex_refusal(case)) is None
-            record.run(section, "fa4 memory", lambda: fa4_estimate(case))
-        value = record.run(section, "torch triton", lambda: torch_triton(case), margin_s=10)
+            failed |= record.run(section, "flex refusal", lambda case=case: flex_refusal(case)) is None
+            record.run(section, "fa4 memory", lambda case=case: fa4_estimate(case))
+        value = record.run(section, "torch triton", lambda case=case: torch_triton(case), margin_s=10)
         failed |= value is None or not value["errors"]["pass"]
     if args.device == "cuda":
         torch.cuda.empty_cache()
     for section, case in cases.items():
-        value = record.run(section, "jax default", lambda: jax_default(case), margin_s=10)
+        value = record.run(section, "jax default", lambda case=case: jax_default(case), margin_s=10)
         failed |= value is None or not value["errors"]["pass"]
     write_markdown(os.path.join(args.out, "long_context.md"), record.results)
     log("failed" if failed else "all checks passed", "->", args.out)

@@ -99,7 +99,7 @@ def probe(implementations, case=None) -> int:
             q, k, v, do = random_inputs(rng, problem.routes, problem.kv_length, heads, 256, dtype)
             jdt = jnp.dtype(dtype)
 
-            def f(a, b, c, routes=problem.routes, blocks=blocks):
+            def f(a, b, c, routes=problem.routes, blocks=blocks, implementation=implementation):
                 # int64 numpy routes, huge IDs included: the API maps them to padding
                 return sparse_gqa_attention(a, b, c, routes, 1 / 16, implementation=implementation,
                                             block_sizes=blocks)
@@ -108,7 +108,7 @@ def probe(implementations, case=None) -> int:
             got = [np.asarray(x, np.float64) for x in (out, *pullback(jnp.asarray(do, jdt)))]
             want = oracle_forward_backward(q, k, v, problem.routes, 1 / 16, do)
             errs = [relative_error(g, w) for g, w in zip(got, want)]
-            log("probe", implementation, label, problem.layout, heads, dtype, ["%.2e" % e for e in errs])
+            log("probe", implementation, label, problem.layout, heads, dtype, [f"{e:.2e}" for e in errs])
             worst = max(worst, max(e / tol for e in errs))
     if not ran:
         log(f"PROBE_NOTHING_RAN: no case {case} of {implementations}")

@@ -149,7 +149,7 @@ def run_step(i, args, rng, state) -> dict:
             attention(*leaves, routes, scale).backward(do_masked)
             check("torch masked", dk=leaves[1].grad, dv=leaves[2].grad)
         del out, leaves
-    except Exception as err:  # noqa: BLE001: a soak records errors and goes on
+    except Exception as err:  # noqa: BLE001 -- a soak records errors and goes on
         entry["exceptions"].append(("torch", f"{type(err).__name__}: {err}"[:1000], traceback.format_exc()))
     entry["torch backends"] = sorted(set(state["backend_log"].ran))
     if device == "cuda":
