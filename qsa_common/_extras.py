@@ -14,11 +14,13 @@ import importlib.util
 DISTRIBUTION = "qsa-kernels"
 
 
-def _missing(module: str) -> bool:
+def installed(module: str) -> bool:
+    """Whether ``module`` can be found, without importing it (a missing parent package or
+    a module set to None in ``sys.modules`` count as absent)."""
     try:
-        return importlib.util.find_spec(module) is None
-    except (ImportError, ValueError):  # a parent package absent, or a module set to None
-        return True
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def require(package: str, framework: str, modules: tuple[str, ...], extra: str) -> None:
@@ -27,7 +29,7 @@ def require(package: str, framework: str, modules: tuple[str, ...], extra: str) 
     ``package`` is the importing package (``"qsa_torch"``), ``framework`` the runtime's
     name for people (``"PyTorch"``).
     """
-    absent = [m for m in modules if _missing(m)]
+    absent = [m for m in modules if not installed(m)]
     if absent:
         raise ImportError(
             f"{package} needs {framework}: pip install '{DISTRIBUTION}[{extra}]' "

@@ -15,8 +15,8 @@ This module adapts the contract's ``[B, S, Hq, D]`` call to them:
 What the calls look like was taken from the cuDNN Frontend documentation page
 "Indexed QSA training" (docs.nvidia.com/cudnn/operations/sparse_attention/qsa/qsa_indexed),
 the FlashInfer page of the same kernels (docs.flashinfer.ai/generated/
-flashinfer.qsa.qsa_indexed_forward.html) and the facts measured on this project's GPU host
-(GPU.md, "cuDNN Frontend 1.32.0 QSA"); ``scripts/gpu/check_cudnn.py`` records the installed
+flashinfer.qsa.qsa_indexed_forward.html) and what the H200 host shows of them (they raise
+NotImplementedError there: docs/benchmarks.md); ``scripts/gpu/check_cudnn.py`` records the installed
 signatures there. The kernels run only on SM100/SM103; nothing else in the project's
 hardware can run them, so their numerics are unverified here: every process's first
 call warns so (:class:`qsa_torch.routes.UnverifiedBackendWarning`), and
@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from qsa_common._extras import installed
 from qsa_common.errors import (
     BackendDeclined,
     DeterminismUnavailable,
@@ -73,15 +74,8 @@ _GPU_REQUIREMENT = "an NVIDIA Blackwell SM100/SM103 GPU (B200, B300, GB200, GB30
 _INSTALL_HINT = "pip install 'nvidia-cudnn-frontend[cutedsl]>=1.32'"
 
 
-def _find(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a parent package is missing or broken
-        return False
-
-
 # looked up once, at import (dynamo traces supports() under torch.compile: no importlib there)
-_HAS_RUNTIME = _find("cudnn")
+_HAS_RUNTIME = installed("cudnn")
 
 
 def _load_cudnn() -> tuple[Callable, Callable]:

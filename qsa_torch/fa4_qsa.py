@@ -22,11 +22,11 @@ CUDA call, never when this module is imported.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 import torch.nn.functional as F
 
+from qsa_common._extras import installed
 from qsa_common.errors import (
     BackendDeclined,
     DeterminismUnavailable,
@@ -44,15 +44,8 @@ __all__ = ["fa4_sparse_gqa_attention", "supports"]
 _INSTALL_HINT = "pip install flash-attn-4"
 
 
-def _find(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a parent package is missing or broken
-        return False
-
-
 # looked up once, at import (dynamo traces supports() under torch.compile: no importlib there)
-_HAS_RUNTIME = _find("flash_attn")
+_HAS_RUNTIME = installed("flash_attn")
 
 QUERY_BLOCK = 128  # query rows per tile: FA4's SM90 forward tile_m at head dim 256
 KEY_BLOCK = 64  # keys per tile: the only sparse KV block FA4 accepts at head dim 256

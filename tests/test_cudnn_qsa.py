@@ -254,7 +254,7 @@ def test_device_is_checked_before_cudnn_is_imported(monkeypatch):
 class StandInOps:
     """CPU model of ``cudnn.ops.qsa_indexed_forward/backward`` (FP32 math, BF16 I/O).
 
-    Semantics from the cuDNN / FlashInfer documentation of the indexed kernels and GPU.md:
+    Semantics from the cuDNN / FlashInfer documentation of the indexed kernels:
     ``indices [T, W]`` is read in groups of four slots; a group whose first slot ``s`` is
     ``>= 0`` covers tokens ``s .. s+3`` clipped to the query's own packed position ``t``;
     other slots are not read. LSE is ``[12, T]``, natural log, ``-inf`` for empty rows,

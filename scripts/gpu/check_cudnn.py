@@ -15,7 +15,7 @@ can be seen there, each step in its own try/except:
    ``cudnn.ops.qsa_indexed_forward`` / ``qsa_indexed_backward`` resolve, and their
    signatures.
 4. ``direct forward`` / ``direct backward``: what the two kernels raise when called
-   directly with tiny valid inputs on this GPU (GPU.md: NotImplementedError).
+   directly with tiny valid inputs on this GPU (on an H200: NotImplementedError).
 5. ``numerics``: only on an SM100/SM103 device, out/dq/dk/dv against the fp32 torch
    reference (skipped elsewhere, with the reason).
 6. ``pytest -m gpu``: the GPU-marked tests of ``tests/test_cudnn_qsa.py`` in a subprocess.
@@ -180,7 +180,7 @@ def check_direct(kind):
             return ("pass" if expected else "info"), record
         shapes = [list(t.shape) for t in result]
         return "info", {"raised": None, "returned_shapes": shapes,
-                        "note": "the kernel ran on this GPU, contrary to GPU.md"}
+                        "note": "the kernel ran on this GPU, which earlier runs on SM90 did not"}
 
     return run
 
