@@ -62,6 +62,27 @@ def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def confine_non_finite(q, do, lse_log2):
+    """The backward's guard that keeps a non-finite query or dO row within its reach.
+
+    The dK/dV products sum over all of a program's rows, and 0 * NaN is NaN: a NaN or
+    inf entry of row m's q or dO would reach every key of the tile's union, routed by
+    row m or not. So such entries become 0 in the q and dO that the products read, and
+    row m's log-sum-exp becomes NaN instead: its P, and so its dS and dQ, are NaN at
+    exactly the keys it routes (elsewhere ``where`` keeps them 0), and the products
+    carry that NaN to those keys' dK and dV, every lane. A float64 gather reference
+    gives the same non-finite dQ and dK; its dV is non-finite at the poisoned lanes of
+    the routed keys only (finite dO lanes times finite P) where here all lanes are.
+    Returns ``(q, do, lse_log2)``; for finite rows they are unchanged."""
+    q_ok = tl.abs(q.to(tl.float32)) < float("inf")  # False for NaN and +-inf
+    do_ok = tl.abs(do.to(tl.float32)) < float("inf")
+    bad = tl.reduce(tl.where(q_ok & do_ok, 0, 1), 1, SUM) != 0
+    q = tl.where(q_ok, q, 0.0).to(q.dtype)
+    do = tl.where(do_ok, do, 0.0).to(do.dtype)
+    return q, do, tl.where(bad, float("nan"), lse_log2)
+
+
+@triton.jit
 def load_count(COUNT, index):
     """A union's length as a scalar loop bound (a 1-element reduction keeps the
     interpreter, whose scalars are 1-element arrays, happy; free on the GPU)."""
