@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .fixed_point import add_fixed, fixed_point_factors
-from .language import (LOG2E_C, SUM, cast, confine_non_finite, gather_chunk, mm, pair_coordinates, pair_pointers, program_tile,
-                       program_xy)
+from .language import (LOG2E_C, SUM, cast, confine_non_finite, gather_chunk, mm, pair_coordinates, pair_pointers,
+                       program_tile, program_xy)
 
 
 @triton.jit
@@ -50,9 +50,7 @@ def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
     s = mm(q, tl.trans(k), IEEE) * scale_log2
     p = tl.where(member, tl.exp2(s - lse_log2[:, None]), 0.0)
     dp = mm(do, tl.trans(v), IEEE)
-    # selected, not multiplied: an entry outside the routes adds exactly 0 even where the
-    # row's delta (or a routed V row's dP) is not finite
-    ds = tl.where(member, p * (dp - delta[:, None]), 0.0)
+    ds = p * (dp - delta[:, None])
     dq += mm(cast(ds, k.dtype, INTERPRET), k, IEEE)
     # columns past count repeat union IDs with P = dS = 0: they add zeros (gather_chunk),
     # so the adds carry only the head-dim mask. Each [BLOCK_K, D] block is
@@ -117,7 +115,7 @@ def qsa_backward_kernel(
     do = tl.load(pair_pointers(DO, b64, row64, head, d, sdo_b, sdo_s, sdo_h, sdo_d), mask=io_mask, other=0.0)
     o = tl.load(pair_pointers(O, b64, row64, head, d, so_b, so_s, so_h, so_d), mask=io_mask, other=0.0)
     delta = tl.reduce(do.to(tl.float32) * o.to(tl.float32), 1, SUM)
-    q, do, lse_log2 = confine_non_finite(q, do, lse_log2)
+    q, do, delta, lse_log2 = confine_non_finite(q, do, delta, lse_log2)
 
     tile_base = (b64 * N_TILES + tile) * UNION_WIDTH
     k_base = K + b64 * sk_b + g64 * sk_h

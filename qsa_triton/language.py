@@ -62,24 +62,28 @@ def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def confine_non_finite(q, do, lse_log2):
+def confine_non_finite(q, do, delta, lse):
     """The backward's guard that keeps a non-finite query or dO row within its reach.
 
     The dK/dV products sum over all of a program's rows, and 0 * NaN is NaN: a NaN or
     inf entry of row m's q or dO would reach every key of the tile's union, routed by
-    row m or not. So such entries become 0 in the q and dO that the products read, and
-    row m's log-sum-exp becomes NaN instead: its P, and so its dS and dQ, are NaN at
-    exactly the keys it routes (elsewhere ``where`` keeps them 0), and the products
-    carry that NaN to those keys' dK and dV, every lane. A float64 gather reference
-    gives the same non-finite dQ and dK; its dV is non-finite at the poisoned lanes of
-    the routed keys only (finite dO lanes times finite P) where here all lanes are.
-    Returns ``(q, do, lse_log2)``; for finite rows they are unchanged."""
-    q_ok = tl.abs(q.to(tl.float32)) < float("inf")  # False for NaN and +-inf
-    do_ok = tl.abs(do.to(tl.float32)) < float("inf")
-    bad = tl.reduce(tl.where(q_ok & do_ok, 0, 1), 1, SUM) != 0
-    q = tl.where(q_ok, q, 0.0).to(q.dtype)
-    do = tl.where(do_ok, do, 0.0).to(do.dtype)
-    return q, do, tl.where(bad, float("nan"), lse_log2)
+    row m or not. Such a row shows in its own statistics: a non-finite q makes the
+    forward's LSE (computed from it) NaN, or +inf (no routes: then q and dO are not read),
+    and a non-finite dO makes delta = dO . O non-finite. So where the LSE or delta is not
+    finite the row gets LSE NaN and delta 0, and the non-finite entries of q and dO
+    become 0 in the operands the products read: the row's P, and so its dS and dQ, are
+    NaN at exactly the keys it routes (P is 0 elsewhere, and dS = P (dP - delta) with
+    finite dP and delta is 0 there), and the products carry that NaN to those keys' dK
+    and dV, every lane. A float64 gather reference gives the same non-finite dQ and dK;
+    where dO is poisoned its dV is non-finite only at the poisoned lanes of the routed
+    keys, here at all of them. Returns ``(q, do, delta, lse)``, unchanged for finite rows;
+    the loop is not touched, so finite inputs cost one select per q and dO entry.
+    ``lse`` may be in either log base."""
+    finite = (tl.abs(lse) < float("inf")) & (tl.abs(delta) < float("inf"))  # False for NaN too
+    q = tl.where(tl.abs(q.to(tl.float32)) < float("inf"), q, 0.0).to(q.dtype)
+    do = tl.where(tl.abs(do.to(tl.float32)) < float("inf"), do, 0.0).to(do.dtype)
+    lse = tl.where(finite | (lse == float("inf")), lse, float("nan"))
+    return q, do, tl.where(finite, delta, 0.0), lse
 
 
 @triton.jit
