@@ -247,11 +247,11 @@ def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem,
     # half's q and dO become 0 in shared memory, where every pair's dK/dV products read
     # them; both halves are rewritten before either consumer's first PDS_STORED arrival,
     # after which the gradient blocks read all 128 pairs
-    _zero_non_finite(q_smem.index(0).slice(HALF * ROWS, ROWS, dim=0), do_rows, ROWS)
-    fence_async_shared()  # the rewrites before the wgmma reads
     finite = (gl.abs(lse) < float("inf")) & (gl.abs(delta) < float("inf"))  # False for NaN too
     lse_log2 = gl.where(finite | (lse == float("inf")), lse_log2, float("nan"))
     delta = gl.where(finite, delta, 0.0)
+    _zero_non_finite(q_smem.index(0).slice(HALF * ROWS, ROWS, dim=0), do_rows, ROWS)
+    fence_async_shared()  # the rewrites before the wgmma reads
 
     cols_k = gl.arange(0, BLOCK_K, layout=col_s)
     # the chunk IDs in the row layout of the gradient blocks' adds (``_add_block``)
