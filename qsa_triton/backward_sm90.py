@@ -231,7 +231,6 @@ def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem,
 
     t_s, row64, head, ok_s = _pairs(tile, S_q, G, row_s, PAIRS, HALF * ROWS, ROWS)
     lse = gl.load(LSE + lse_base + head * sl_h + row64 * sl_s, mask=ok_s, other=float("inf"))
-    routed = lse != float("inf")
     lse_log2 = lse * LOG2E
     do_rows = do_smem.index(0).slice(HALF * ROWS, ROWS, dim=0)
     mbarrier.wait(bars.index(QDO), 0)
