@@ -107,6 +107,16 @@ def backward_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, union_ref, 
     q = jnp.where(routed[:, None], q_ref[...], 0).astype(q_ref.dtype)
     do = jnp.where(routed[:, None], do_ref[...], 0).astype(do_ref.dtype)
     delta = jnp.where(routed, delta_ref[...], 0.0)
+    # The dK/dV products sum over all the program's rows, and 0 * NaN is NaN: a routed row
+    # whose LSE (non-finite q) or delta (non-finite dO) is not finite gets LSE NaN and
+    # delta 0, and non-finite q and dO entries become 0, so the row's P, dS and dQ are NaN
+    # at exactly the keys it routes (P and dS are 0 elsewhere) and the products carry that
+    # to those keys' dK/dV, every lane (qsa_triton.language.confine_non_finite)
+    finite = (jnp.abs(lse) < jnp.inf) & (jnp.abs(delta) < jnp.inf)
+    lse = jnp.where(finite | ~routed, lse, jnp.nan)
+    delta = jnp.where(finite, delta, 0.0)
+    q = jnp.where(jnp.abs(q.astype(jnp.float32)) < jnp.inf, q, 0).astype(q.dtype)
+    do = jnp.where(jnp.abs(do.astype(jnp.float32)) < jnp.inf, do, 0).astype(do.dtype)
     n_chunks = _n_chunks(count_ref[0], geo.block_k)
 
     def body(c, dq):

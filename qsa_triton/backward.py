@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .fixed_point import add_fixed, fixed_point_factors
-from .language import (LOG2E_C, SUM, cast, gather_chunk, mm, pair_coordinates, pair_pointers, program_tile,
-                       program_xy)
+from .language import (LOG2E_C, SUM, cast, confine_non_finite, finite, gather_chunk, mm, pair_coordinates,
+                       pair_pointers, program_tile, program_xy)
 
 
 @triton.jit
@@ -111,10 +111,18 @@ def qsa_backward_kernel(
     # nothing to any gradient: its q and dO are not read, so whatever they hold cannot
     # reach dK/dV through 0 * NaN
     io_mask = io_mask & (lse != float("inf"))[:, None]
-    q = tl.load(pair_pointers(Q, b64, row64, head, d, sq_b, sq_s, sq_h, sq_d), mask=io_mask, other=0.0)
-    do = tl.load(pair_pointers(DO, b64, row64, head, d, sdo_b, sdo_s, sdo_h, sdo_d), mask=io_mask, other=0.0)
+    q_ptr = pair_pointers(Q, b64, row64, head, d, sq_b, sq_s, sq_h, sq_d)
+    do_ptr = pair_pointers(DO, b64, row64, head, d, sdo_b, sdo_s, sdo_h, sdo_d)
+    do = tl.load(do_ptr, mask=io_mask, other=0.0)
     o = tl.load(pair_pointers(O, b64, row64, head, d, so_b, so_s, so_h, so_d), mask=io_mask, other=0.0)
     delta = tl.reduce(do.to(tl.float32) * o.to(tl.float32), 1, SUM)
+    delta, lse_log2 = confine_non_finite(delta, lse_log2)
+    # q and dO as the products read them: without non-finite entries (confine_non_finite).
+    # Loaded again with those entries masked off rather than selected away, which keeps
+    # the compiled kernel's operands in the shared memory they took before
+    q = tl.load(q_ptr, mask=io_mask, other=0.0)
+    q = tl.load(q_ptr, mask=io_mask & finite(q), other=0.0)
+    do = tl.load(do_ptr, mask=io_mask & finite(do), other=0.0)
 
     tile_base = (b64 * N_TILES + tile) * UNION_WIDTH
     k_base = K + b64 * sk_b + g64 * sk_h

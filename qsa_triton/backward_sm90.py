@@ -129,6 +129,18 @@ def _gather_rows(smem, base, stride, ids0, ids1, ids2, ids3, cols):
         _gather_to_shared(smem.slice(r * SUB_ROWS, SUB_ROWS, dim=0), ptr)
 
 
+@gluon.jit
+def _zero_non_finite(q_rows, do_rows, ROWS: gl.constexpr):
+    """Sets the non-finite entries of the pairs' staged ``q_rows`` / ``do_rows`` (shared
+    [ROWS, D]) to 0, SUB_ROWS pairs at a time (few registers)."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    for h in gl.static_range(ROWS // SUB_ROWS):
+        for which in gl.static_range(2):
+            rows = (q_rows if which == 0 else do_rows).slice(h * SUB_ROWS, SUB_ROWS, dim=0)
+            x = rows.load(blk)
+            rows.store(gl.where(gl.abs(x.to(gl.float32)) < float("inf"), x, 0.0).to(x.dtype))
+
+
 @gluon.constexpr_function
 def _in_warps(rows, cols, reg, lane):
     """A [rows, cols] = [64, 32] layout on 4 warps, each warp the wgmma accumulator's 16 rows."""
@@ -219,7 +231,6 @@ def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem,
 
     t_s, row64, head, ok_s = _pairs(tile, S_q, G, row_s, PAIRS, HALF * ROWS, ROWS)
     lse = gl.load(LSE + lse_base + head * sl_h + row64 * sl_s, mask=ok_s, other=float("inf"))
-    routed = lse != float("inf")
     lse_log2 = lse * LOG2E
     do_rows = do_smem.index(0).slice(HALF * ROWS, ROWS, dim=0)
     mbarrier.wait(bars.index(QDO), 0)
@@ -230,7 +241,16 @@ def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem,
     o = gl.load(o_ptr, mask=gl.expand_dims(ok_b, 1) & gl.expand_dims(cols < D, 0), other=0.0)
     do = do_rows.load(blk)
     delta = gl.convert_layout(gl.sum(do.to(gl.float32) * o.to(gl.float32), axis=1), row_s)
-    delta = gl.where(routed, delta, 0.0)
+    # backward.py's guard (qsa_triton.language.confine_non_finite): a pair whose LSE or
+    # delta is not finite gets LSE NaN and delta 0, and the non-finite entries of this
+    # half's q and dO become 0 in shared memory, where every pair's dK/dV products read
+    # them; both halves are rewritten before either consumer's first PDS_STORED arrival,
+    # after which the gradient blocks read all 128 pairs
+    finite = (gl.abs(lse) < float("inf")) & (gl.abs(delta) < float("inf"))  # False for NaN too
+    lse_log2 = gl.where(finite | (lse == float("inf")), lse_log2, float("nan"))
+    delta = gl.where(finite, delta, 0.0)
+    _zero_non_finite(q_smem.index(0).slice(HALF * ROWS, ROWS, dim=0), do_rows, ROWS)
+    fence_async_shared()  # the rewrites before the wgmma reads
 
     cols_k = gl.arange(0, BLOCK_K, layout=col_s)
     # the chunk IDs in the row layout of the gradient blocks' adds (``_add_block``)

@@ -62,6 +62,33 @@ def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def finite(x):
+    """Elementwise: x is neither NaN nor +-inf."""
+    return tl.abs(x.to(tl.float32)) < float("inf")
+
+
+@triton.jit
+def confine_non_finite(delta, lse):
+    """The backward's guard that keeps a non-finite query or dO row within its reach.
+
+    The dK/dV products sum over all of a program's rows, and 0 * NaN is NaN: a NaN or
+    inf entry of row m's q or dO would reach every key of the tile's union, routed by
+    row m or not. Such a row shows in its own statistics: a non-finite q makes the
+    forward's LSE (computed from it) NaN, or +inf (no routes: then q and dO are not read),
+    and a non-finite dO makes delta = dO . O non-finite. So where the LSE or delta is not
+    finite the row gets LSE NaN and delta 0 (returned: ``(delta, lse)``, unchanged for
+    finite rows; ``lse`` in either log base), and the caller drops the non-finite entries
+    of q and dO (reads them as 0) in the operands the products read: the row's P, and so
+    its dS and dQ, are NaN at exactly the keys it routes (P is 0 elsewhere, and dS = P (dP
+    - delta) with finite dP and delta is 0 there), and the products carry that NaN to
+    those keys' dK and dV, every lane. A float64 gather reference gives the same
+    non-finite dQ and dK; where dO is poisoned its dV is non-finite only at the poisoned
+    lanes of the routed keys, here at all of them. The loop is not touched."""
+    ok = finite(lse) & finite(delta)
+    return tl.where(ok, delta, 0.0), tl.where(ok | (lse == float("inf")), lse, float("nan"))
+
+
+@triton.jit
 def load_count(COUNT, index):
     """A union's length as a scalar loop bound (a 1-element reduction keeps the
     interpreter, whose scalars are 1-element arrays, happy; free on the GPU)."""
