@@ -23,8 +23,19 @@ import triton
 import triton.language as tl
 
 from .fixed_point import add_fixed, fixed_point_factors
-from .language import (LOG2E_C, SUM, cast, confine_non_finite, finite, gather_chunk, mm, pair_coordinates,
-                       pair_pointers, program_tile, program_xy)
+from .language import (
+    LOG2E_C,
+    SUM,
+    cast,
+    confine_non_finite,
+    finite,
+    gather_chunk,
+    mm,
+    pair_coordinates,
+    pair_pointers,
+    program_tile,
+    program_xy,
+)
 
 
 @triton.jit
