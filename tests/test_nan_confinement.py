@@ -33,10 +33,10 @@ import os
 
 import numpy as np
 import pytest
+from contract_base import TOLERANCE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contract_base import TOLERANCE
 from qsa_common.generators import adversarial_routes, random_routes
 
 _HEADS = ((1, 1), (2, 1), (4, 2), (3, 1))
