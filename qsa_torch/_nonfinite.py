@@ -82,7 +82,10 @@ class _Enter(torch.autograd.Function):
         ctx.save_for_backward(routes)
         ctx.kv_shape = (key.shape[1], key.shape[2])
         token = query.new_zeros(query_bad.shape, dtype=torch.float32)
-        return query.masked_fill(query_bad[..., None], 0), key.view_as(key), value.view_as(value), token
+        outs = query.masked_fill(query_bad[..., None], 0), key.view_as(key), value.view_as(value)
+        # the kernel computes no gradient that was not asked of the wrapper
+        ctx.mark_non_differentiable(*(o for o, t in zip(outs, (query, key, value)) if not t.requires_grad))
+        return (*outs, token)
 
     @staticmethod
     def backward(ctx, dq, dk, dv, token_grad):
