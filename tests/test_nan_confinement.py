@@ -442,3 +442,37 @@ def test_wrapper_traces_whole_under_torch_compile(target):
     case = _poisoned_routed_row(int(np.random.SeedSequence().entropy % 2**32), target)
     compiled = torch.compile(_confined_leaky, backend="aot_eager", fullgraph=True)
     check(case, _run_torch(compiled, case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", ["q", "do"])
+def test_wrapper_never_synchronises_with_the_gpu(target):
+    """No host synchronisation in the wrapper's forward or backward (sync debug mode
+    "error" raises on one), and the same confinement on the GPU."""
+    import torch
+
+    from qsa_torch._nonfinite import confine_nonfinite
+    from qsa_torch.routes import membership_table
+
+    case = _poisoned_routed_row(int(np.random.SeedSequence().entropy % 2**32), target)
+    routes = torch.from_numpy(case.routes).cuda()
+    member = membership_table(routes, case.k.shape[1]).bool()
+    bias = torch.zeros(member.shape, device="cuda").masked_fill(~member, float("-inf"))[:, None]
+    q, k, v = (torch.tensor(x, dtype=torch.float32, device="cuda", requires_grad=True)
+               for x in (case.q, case.k, case.v))
+    do = torch.tensor(case.do, dtype=torch.float32, device="cuda")
+    group = q.shape[2] // k.shape[2]
+
+    def kernel(q, k, v):  # every route row here is non-empty: a whole-row softmax that leaks
+        kk, vv = (t[:, :, :, None].expand(-1, -1, -1, group, -1).flatten(2, 3) for t in (k, v))
+        p = (torch.einsum("bihd,bjhd->bhij", q, kk) * _SCALE + bias).softmax(-1)
+        return torch.einsum("bhij,bjhd->bihd", p, vv)
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = confine_nonfinite(kernel, q, k, v, routes)
+        out.backward(do)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    check(case, tuple(t.detach().double().cpu().numpy() for t in (out, q.grad, k.grad, v.grad)), tol=_GPU_TOL)
