@@ -46,6 +46,7 @@ from qsa_common.errors import (
     UnsupportedShape,
 )
 
+from ._nonfinite import confine_nonfinite
 from .routes import (
     ProblemDims,
     check_deterministic_backward,
@@ -343,6 +344,8 @@ def cudnn_sparse_gqa_attention(
 
     Returns:
         A new BF16 CUDA ``[B, S, Hq, 256]`` tensor; rows with no valid route are zero.
+        A non-finite query or output-gradient row reaches only its own out/dq and
+        the dk/dv of its routed keys (:mod:`qsa_torch._nonfinite`).
 
     Raises:
         InvalidInput / InvalidDtype: the contract's checks.
@@ -376,19 +379,20 @@ def cudnn_sparse_gqa_attention(
     # their output and dq are exact zeros whatever the kernel computes for them.
     routes = selected_token_ids
     empty = ~((routes >= 0) & (routes < dims.kv_length)).any(dim=-1)[:, :, None, None]
-    query = query.masked_fill(empty, 0)
-    q = query.reshape(tokens, dims.query_heads, _HEAD_DIM)
-    k = key.reshape(tokens, dims.kv_heads, _HEAD_DIM)
-    v = value.reshape(tokens, dims.kv_heads, _HEAD_DIM)
-    outputs = []
-    for group in range(dims.kv_heads):
-        heads = slice(group * _GROUP_QUERY_HEADS, (group + 1) * _GROUP_QUERY_HEADS)
-        outputs.append(
-            _CudnnQSA.apply(
-                q[:, heads], k[:, group : group + 1], v[:, group : group + 1], indices,
-                checked.scale,
-            )
-        )
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-    out = out.reshape(dims.batch, dims.query_length, dims.query_heads, _HEAD_DIM)
-    return out.masked_fill(empty, 0)
+
+    def kernel(query, key, value):
+        q = query.masked_fill(empty, 0).reshape(tokens, dims.query_heads, _HEAD_DIM)
+        k = key.reshape(tokens, dims.kv_heads, _HEAD_DIM)
+        v = value.reshape(tokens, dims.kv_heads, _HEAD_DIM)
+        outputs = []
+        for group in range(dims.kv_heads):
+            heads = slice(group * _GROUP_QUERY_HEADS, (group + 1) * _GROUP_QUERY_HEADS)
+            outputs.append(_CudnnQSA.apply(q[:, heads], k[:, group : group + 1], v[:, group : group + 1],
+                                           indices, checked.scale))
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        out = out.reshape(dims.batch, dims.query_length, dims.query_heads, _HEAD_DIM)
+        return out.masked_fill(empty, 0)
+
+    # the indexed backward sums whole tiles (0 * NaN across a tile's keys, presumably
+    # as FA4's and FlexAttention's do)
+    return confine_nonfinite(kernel, query, key, value, routes)

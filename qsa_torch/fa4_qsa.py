@@ -36,6 +36,7 @@ from qsa_common.errors import (
     UnsupportedShape,
 )
 
+from ._nonfinite import confine_nonfinite
 from .routes import ProblemDims, check_deterministic_backward, dtype_name, membership_table, needs_grad, validate_inputs
 from .routes import available_device_bytes as _available_bytes
 
@@ -396,6 +397,8 @@ def fa4_sparse_gqa_attention(
     Returns:
         A new bf16 ``[B, S_q, Hq, 256]`` tensor. Rows without routes are exactly
         0, with exactly zero ``dq`` and no contribution to ``dk``/``dv``.
+        A non-finite query or output-gradient row reaches only its own out/dq and
+        the dk/dv of its routed keys (:mod:`qsa_torch._nonfinite`).
         Differentiable once in query, key and value through FA4's backward
         (not deterministic; fp32 accumulation).
 
@@ -431,18 +434,16 @@ def fa4_sparse_gqa_attention(
     # one memory layout for the compiled preprocessing (no stride-specialised recompiles)
     routes = selected_token_ids.contiguous()
     key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (key, value))
-    pieces: dict[int, list[torch.Tensor]] = {}
-    for batch_rows, query_rows in _chunks(dims.batch, dims.query_length, dims.kv_length):
-        out = _attend(
-            query[batch_rows, query_rows],
-            key[batch_rows],
-            value[batch_rows],
-            routes[batch_rows, query_rows],
-            checked.scale,
-            fa4,
-            preprocess,
-        )
-        pieces.setdefault(batch_rows.start, []).append(out)
-    if len(pieces) == 1 and len(pieces[0]) == 1:
-        return pieces[0][0]
-    return torch.cat([torch.cat(rows, dim=1) for _, rows in sorted(pieces.items())], dim=0)
+
+    def kernel(query, key, value):
+        pieces: dict[int, list[torch.Tensor]] = {}
+        for batch_rows, query_rows in _chunks(dims.batch, dims.query_length, dims.kv_length):
+            out = _attend(query[batch_rows, query_rows], key[batch_rows], value[batch_rows],
+                          routes[batch_rows, query_rows], checked.scale, fa4, preprocess)
+            pieces.setdefault(batch_rows.start, []).append(out)
+        if len(pieces) == 1 and len(pieces[0]) == 1:
+            return pieces[0][0]
+        return torch.cat([torch.cat(rows, dim=1) for _, rows in sorted(pieces.items())], dim=0)
+
+    # FA4's backward multiplies whole tiles (0 * NaN across a tile's keys)
+    return confine_nonfinite(kernel, query, key, value, routes)

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from qsa_common.errors import BackendDeclined, MissingRuntime, UnsupportedDevice, UnsupportedDtype
 
+from ._nonfinite import confine_nonfinite
 from .routes import ProblemDims, dtype_name, membership_table, needs_grad, validate_inputs
 from .routes import available_device_bytes as _available_bytes
 
@@ -181,20 +182,10 @@ def _membership_flat_offset(
 def _routes_to_membership(
     selected_token_ids: torch.Tensor, kv_length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Membership table of the routes and which rows have any route.
-
-    Args:
-        selected_token_ids: ``[B, S_q, K]`` signed int32/int64 IDs in K/V
-            coordinates; IDs outside ``[0, kv_length)`` are padding.
-        kv_length: S_kv.
-
-    Returns:
-        ``table``: contiguous bool ``[B, S_q, kv_length]`` on the routes'
-        device, True where the ID is a route of the row (duplicates collapse).
-        Contiguity is what makes it kernel-safe: the mask callback addresses it
-        as one flat buffer through :func:`_membership_flat_offset`.
-        ``has_route``: bool ``[B, S_q]``, True where the row has a valid route.
-    """
+    """``(table, has_route)`` of ``[B, S_q, K]`` routes (IDs outside ``[0, kv_length)``
+    are padding): contiguous bool ``[B, S_q, kv_length]``, True where the key is a route
+    of the row (contiguous: the mask callback addresses it as one flat buffer through
+    :func:`_membership_flat_offset`), and bool ``[B, S_q]``, True where a row has one."""
     table = membership_table(selected_token_ids, kv_length)
     ids = selected_token_ids
     # from the routes (K per row), not from the table (S_kv per row)
@@ -389,7 +380,9 @@ def flex_sparse_gqa_attention(
 
     Returns:
         ``[B, S_q, Hq, D]`` in query's dtype. Rows without a valid route are
-        exactly 0, with exactly zero dq and no contribution to dk/dv.
+        exactly 0, with exactly zero dq and no contribution to dk/dv. A non-finite
+        query or output-gradient row reaches only its own out/dq and the dk/dv of
+        its routed keys (:func:`qsa_torch._nonfinite.confine_nonfinite`).
 
     Device and gradients: on CUDA, forward and backward through the compiled
     kernel, on inputs padded to the bucketed shape (module docstring). On CPU,
@@ -416,16 +409,19 @@ def flex_sparse_gqa_attention(
     declined = supports(query, key, value, selected_token_ids)
     if declined is not None:
         raise declined
-    dims = checked.dims
-    device = query.device
-    if device.type == "cuda" and not torch.compiler.is_compiling():
-        return _attend_bucketed(query, key, value, selected_token_ids, dims, checked.scale, _COMPILED)
-    table, has_route = _routes_to_membership(selected_token_ids, dims.kv_length)
-    block_mask = _block_mask_from_table(table)
-    out = _run_flex(query, key, value, block_mask, checked.scale)
-    # where(), not a multiply: exact zeros even if the kernel left NaN there,
-    # and its backward passes a zero gradient into the kernel for those rows.
-    return torch.where(has_route[:, :, None, None], out, out.new_zeros(()))
+    dims, routes = checked.dims, selected_token_ids
+
+    def kernel(query, key, value):
+        if query.device.type == "cuda" and not torch.compiler.is_compiling():
+            return _attend_bucketed(query, key, value, routes, dims, checked.scale, _COMPILED)
+        table, has_route = _routes_to_membership(routes, dims.kv_length)
+        out = _run_flex(query, key, value, _block_mask_from_table(table), checked.scale)
+        # where(), not a multiply: exact zeros even if the kernel left NaN there,
+        # and its backward passes a zero gradient into the kernel for those rows.
+        return torch.where(has_route[:, :, None, None], out, out.new_zeros(()))
+
+    # FlexAttention's backward multiplies whole tiles (0 * NaN across a tile's keys)
+    return confine_nonfinite(kernel, query, key, value, routes)
 
 
 def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
