@@ -9,8 +9,8 @@ By default the blocks are fp32 and so are the accumulators; the order in which p
 add is the GPU's, so dK/dV are not bitwise reproducible from run to run. With the
 ``DETERMINISTIC`` constexpr the same blocks are added as int64 fixed point
 (``fixed_point.py``: scaled by a power of two from a bound on the gradients, rounded to
-nearest): integer sums do not depend on the order of the adds, so dK/dV are bitwise
-reproducible. Everything else (tiles, unions, the products, dQ) is the default
+nearest; FLAG says which sums a NaN reached): integer sums do not depend on the order of
+the adds, so dK/dV are bitwise reproducible. Everything else (tiles, unions, the products, dQ) is the default
 backward's; dQ was reproducible already (each (row, head) pair belongs to one program).
 
 Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
