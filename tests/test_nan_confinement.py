@@ -274,11 +274,13 @@ def _hopper_case(heads, target, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("heads", [(24, 2), (12, 1)])
 @pytest.mark.parametrize("target", ["q", "do"])
-def test_torch_triton_hopper_gpu(monkeypatch, heads, target):
+def test_torch_triton_hopper_gpu(monkeypatch, heads, target, deterministic):
     """The default configuration on an sm_90 GPU: the Gluon kernels (forward_sm90.py,
-    backward_sm90.py) where the launch scope admits the problem, asserted."""
+    backward_sm90.py, default and fixed-point backward) where the launch scope admits the
+    problem, asserted."""
     import torch
 
     from qsa_torch.triton_qsa import triton_sparse_gqa_attention
@@ -289,7 +291,11 @@ def test_torch_triton_hopper_gpu(monkeypatch, heads, target):
     monkeypatch.setattr(spec, "backward_sm90_launch",
                         lambda *a, **kw: admitted.append(hopper(*a, **kw)) or admitted[-1])
     case = _hopper_case(heads, target, int(np.random.SeedSequence().entropy % 2**32))
-    got = _run_torch(triton_sparse_gqa_attention, case, "cuda", dtype="bfloat16")
+
+    def fn(q, k, v, routes, scale):
+        return triton_sparse_gqa_attention(q, k, v, routes, scale, deterministic=deterministic)
+
+    got = _run_torch(fn, case, "cuda", dtype="bfloat16")
     if torch.cuda.get_device_capability() == (9, 0):
         assert admitted and all(launch is not None for launch in admitted), "the sm90 backward did not run"
     check(case, got, tol=5e-2)
