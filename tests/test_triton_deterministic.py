@@ -446,6 +446,26 @@ def test_fixed_point_nan_is_never_a_finite_number(where):
             assert err < TOLERANCE["float32"], name
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy
+def test_fixed_point_confined_nan_bits_survive_shuffled_program_orders(shuffled_programs):
+    """A NaN in a routed dO row and one in another row's q: the flagged dK/dV rows and
+    the finite sums elsewhere are the same bits under every order of the programs."""
+    if shuffled_programs is None:
+        pytest.skip("compiled kernels: the gpu tests prove reproducibility under the GPU's own schedules")
+    rng = _fresh_rng()
+    routes = random_routes(24, width=5, rng=rng)[None]
+    q, k, v, do = random_inputs(rng, routes, 24, (6, 2), 16, "float32")
+    do[0, 9, 4, 3], q[0, 17, 0, 6] = np.nan, np.nan
+    runs = [_grads(q, k, v, routes, 0.3, do, "float32", FP_SMALL) for _ in range(3)]
+    assert len({tuple(order) for order in shuffled_programs}) > 1
+    keys = torch.zeros(runs[0][2].shape, dtype=torch.bool, device=runs[0][2].device)
+    for row, kv_head in ((9, 1), (17, 0)):
+        keys[0, sorted({int(r) for r in routes[0, row] if 0 <= r < 24}), kv_head] = True
+    for run in runs:
+        assert torch.equal(torch.isnan(run[2]), keys) and torch.equal(torch.isnan(run[3]), keys)
+        assert all(_bitwise_equal(a, b) for a, b in zip(run[1:], runs[0][1:]))
+
+
 # ---------------------------------------------------------------- how the mode is selected
 def _spy_backward(monkeypatch):
     """Records the ``deterministic`` argument of every backward launch."""
