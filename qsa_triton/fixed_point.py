@@ -28,7 +28,8 @@ caught by the dQ check below). A row that holds a non-finite q or dO entry is co
 elsewhere, so none of its finite entries enters a sum, and every row that does enter has
 a finite q and dO (a finite LSE and delta). The launcher hands the maxima to the kernels
 as ``MAXIMA`` (fp32 ``[3]``: max|Q|, max|dO|, max|V|), computed with framework reductions
-that are exact (maxima round nothing, so both frameworks get the same bits). Exponents are exact integers, so nothing overflows at any input magnitude:
+that are exact (maxima round nothing, so both frameworks get the same bits). Exponents
+are exact integers, so nothing overflows at any input magnitude:
 ``E = ceil(log2(2 * scale * N * D)) + ceil(log2 max|dO|) + ceil(log2 max|V|) +
 ceil(log2 max|Q|)`` for dK (the first term on the host, exactly, from the fp32 scale:
 ``qsa_triton.launch.fixed_point_bounds``; the others here from the maxima's bits, 2**-126
