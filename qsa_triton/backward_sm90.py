@@ -346,8 +346,6 @@ def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem,
         # backward.py's flags (qsa_triton.fixed_point): the keys that this half's confined
         # pairs route (below, after the dQ store), and FLAG[0] where another pair's dQ is
         # non-finite (its P or dS met a NaN/inf that may have reached any key)
-        confined = lse_log2 != lse_log2
-        bad_bits = gl.reduce_or(gl.where(confined, gl.full([ROWS], 1, gl.int32, layout=row_s) << t_s, 0), axis=0)
         poisoned = gl.sum(dq * 0.0, axis=1)
         flag_layout: gl.constexpr = gl.SliceLayout(1, dq_layout)
         kept = gl.convert_layout(lse_log2 == lse_log2, flag_layout)
@@ -359,6 +357,8 @@ def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem,
     gl.store(DQ + gl.expand_dims(dq_off, 1) + gl.expand_dims(cols_d, 0), (dq * scale).to(DQ.dtype.element_ty),
              mask=gl.expand_dims(dq_ok, 1) & gl.expand_dims(cols_d < D, 0))
     if DETERMINISTIC:
+        confined = lse_log2 != lse_log2
+        bad_bits = gl.reduce_or(gl.where(confined, gl.full([ROWS], 1, gl.int32, layout=row_s) << t_s, 0), axis=0)
         _flag_routed_keys(FLAG, UNION, ROWBITS, union_base, count, bad_bits, 1 + dk_base // D, sdk_s // D,
                           cols_k, BLOCK_K)
 
