@@ -102,19 +102,19 @@ def operand(x) -> spec.Operand:
 
 
 def input_maxima(q, do, v, lse):
-    """MAXIMA of the deterministic backward: f32 ``[3]``, max|q| and max|do| over the
-    (row, head) pairs with routes (``lse`` ``[B, Hq, S_q]`` not +inf: the backward never reads
-    the others), max|v| over the rows ``[b, j, g, :]`` whose own maximum is finite
-    (``qsa_torch`` computes the same bits: maxima round nothing)."""
+    """MAXIMA of the deterministic backward (``qsa_triton.fixed_point``): f32 ``[3]``,
+    max|q| and max|do| over the rows ``[b, i, h, :]`` whose (row, head) pair has routes
+    (``lse`` ``[B, Hq, S_q]`` not +inf: the backward never reads the others) and whose own
+    maximum is finite (a row holding NaN/inf is confined by the kernels and enters no
+    sum), max|v| over the rows ``[b, j, g, :]`` whose own maximum is finite (``qsa_torch``
+    computes the same bits: maxima round nothing)."""
     routed = (lse != jnp.inf).transpose(0, 2, 1)
 
-    def largest_routed(x):
+    def largest(x, keep):
         rows = jnp.max(jnp.abs(x), axis=-1)
-        return jnp.max(jnp.where(routed, rows, jnp.zeros_like(rows))).astype(jnp.float32)
+        return jnp.max(jnp.where(keep & jnp.isfinite(rows), rows, jnp.zeros_like(rows))).astype(jnp.float32)
 
-    rows = jnp.max(jnp.abs(v), axis=-1)
-    finite_rows = jnp.where(jnp.isfinite(rows), rows, jnp.zeros_like(rows))
-    return jnp.stack([largest_routed(q), largest_routed(do), jnp.max(finite_rows).astype(jnp.float32)])
+    return jnp.stack([largest(q, routed), largest(do, routed), largest(v, True)])
 
 
 @dataclass(frozen=True)

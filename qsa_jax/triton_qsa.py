@@ -170,8 +170,11 @@ def triton_sparse_gqa_attention(query, key, value, selected_token_ids, softmax_s
             inject one that runs the kernels in Triton's interpreter.
         deterministic: True: the backward's dK/dV as int64 fixed-point sums (bitwise
             reproducible, and equal to ``qsa_torch``'s deterministic gradients); False or
-            None (JAX has no global switch): fp32 atomics. A non-finite value met by the
-            deterministic backward makes all of dK/dV NaN (``qsa_triton.fixed_point``).
+            None (JAX has no global switch): fp32 atomics. In both, a non-finite value in
+            a row's query or output gradient reaches dK/dV only at the keys that row
+            routes (NaN there); any other non-finite value met by the deterministic
+            backward (a routed key/value row, an overflow) makes all of dK/dV NaN
+            (``qsa_triton.fixed_point``).
 
     Returns:
         ``[B, S_q, Hq, D]`` in query's dtype; rows without routes are exactly 0 and add

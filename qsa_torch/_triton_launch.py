@@ -99,24 +99,24 @@ def hopper_backward(device: torch.device) -> bool:
 
 def input_maxima(query: torch.Tensor, grad_out: torch.Tensor, value: torch.Tensor,
                  lse: torch.Tensor) -> torch.Tensor:
-    """MAXIMA of the deterministic backward: fp32 ``[3]``, max|query| and max|grad_out| over
-    the (row, head) pairs with routes (``lse`` ``[B, Hq, S_q]`` not +inf: the backward never
-    reads the others; NaN/inf if a routed one holds one), and max|value| over the rows
-    ``[b, j, g, :]`` whose own maximum is finite. Maxima round nothing, so these are the
-    bits ``qsa_jax`` computes too. Temporaries of one value per row and head only."""
+    """MAXIMA of the deterministic backward (``qsa_triton.fixed_point``): fp32 ``[3]``,
+    max|query| and max|grad_out| over the rows ``[b, i, h, :]`` whose (row, head) pair has
+    routes (``lse`` ``[B, Hq, S_q]`` not +inf: the backward never reads the others) and
+    whose own maximum is finite (a row holding NaN/inf is confined by the kernels and
+    enters no sum), and max|value| over the rows ``[b, j, g, :]`` whose own maximum is
+    finite. Maxima round nothing, so these are the bits ``qsa_jax`` computes too.
+    Temporaries of one value per row and head only."""
     routed = (lse != float("inf")).transpose(1, 2)
 
     def row_maxima(x):
         lo, hi = torch.aminmax(x, dim=-1)
         return torch.maximum(-lo, hi)
 
-    def largest_routed(x):
-        rows = row_maxima(x)
-        return torch.where(routed, rows, torch.zeros_like(rows)).amax().float()
+    def largest(rows, keep):
+        return torch.where(keep & torch.isfinite(rows), rows, torch.zeros_like(rows)).amax().float()
 
-    rows = row_maxima(value)
-    finite_rows = torch.where(torch.isfinite(rows), rows, torch.zeros_like(rows))
-    return torch.stack([largest_routed(query), largest_routed(grad_out), finite_rows.amax().float()])
+    return torch.stack([largest(row_maxima(query), routed), largest(row_maxima(grad_out), routed),
+                        largest(row_maxima(value), True)])
 
 
 @dataclass(frozen=True)

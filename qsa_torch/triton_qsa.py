@@ -146,8 +146,11 @@ def triton_sparse_gqa_attention(
         ``[B, S_q, Hq, D]`` in query's dtype. Rows without routes are exactly 0 and
         add nothing to any gradient, whatever their query holds. Gradients reach query,
         key and value (through the ``qsa::triton_sparse_gqa_attention`` op pair); dQ is
-        bitwise reproducible, dK/dV in deterministic mode only. There a non-finite value
-        met by the backward makes all of dK/dV NaN (``qsa_triton.fixed_point``).
+        bitwise reproducible, dK/dV in deterministic mode only. There, as in the default
+        mode, a non-finite value in a row's query or output gradient reaches dK/dV only at
+        the keys that row routes (NaN there); any other non-finite value met by the
+        backward (a routed key/value row, an overflow) makes all of dK/dV NaN
+        (``qsa_triton.fixed_point``).
 
     Raises:
         InvalidInput / InvalidDtype: the contract's input checks; TypeError also for a

@@ -9,8 +9,8 @@ By default the blocks are fp32 and so are the accumulators; the order in which p
 add is the GPU's, so dK/dV are not bitwise reproducible from run to run. With the
 ``DETERMINISTIC`` constexpr the same blocks are added as int64 fixed point
 (``fixed_point.py``: scaled by a power of two from a bound on the gradients, rounded to
-nearest): integer sums do not depend on the order of the adds, so dK/dV are bitwise
-reproducible. Everything else (tiles, unions, the products, dQ) is the default
+nearest; FLAG says which sums a NaN reached): integer sums do not depend on the order of
+the adds, so dK/dV are bitwise reproducible. Everything else (tiles, unions, the products, dQ) is the default
 backward's; dQ was reproducible already (each (row, head) pair belongs to one program).
 
 Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
@@ -25,6 +25,7 @@ import triton.language as tl
 from .fixed_point import add_fixed, fixed_point_factors
 from .language import (
     LOG2E_C,
+    OR,
     SUM,
     cast,
     confine_non_finite,
@@ -78,6 +79,33 @@ def _backward_step(start, count, q, do, delta, lse_log2, t, row_ok, d, d_ok, dq,
 
 
 @triton.jit
+def flag_routed_keys(FLAG, union, rowbits, count, bad_bits, flag_base, flag_stride, BLOCK: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """``FLAG[flag_base + id * flag_stride] = 1`` (int32) for every ID among the first
+    ``count`` of ``union`` whose ``rowbits`` meet ``bad_bits`` (the program's confined
+    rows), ``BLOCK`` entries per step; nothing when ``bad_bits`` is 0. Programs that flag
+    the same key all store 1: the result does not depend on their order."""
+    if bad_bits != 0:
+        if INTERPRET:
+            start = 0
+            while start < count:
+                _flag_step(FLAG, union, rowbits, count, bad_bits, flag_base, flag_stride, start, BLOCK)
+                start += BLOCK
+        else:
+            for start in range(0, count, BLOCK):
+                _flag_step(FLAG, union, rowbits, count, bad_bits, flag_base, flag_stride, start, BLOCK)
+
+
+@triton.jit
+def _flag_step(FLAG, union, rowbits, count, bad_bits, flag_base, flag_stride, start, BLOCK: tl.constexpr):
+    u = start + tl.arange(0, BLOCK)
+    u_ok = u < count
+    ids = tl.load(union + u, mask=u_ok, other=0)
+    hit = u_ok & ((tl.load(rowbits + u, mask=u_ok, other=0) & bad_bits) != 0)
+    tl.store(FLAG + flag_base + ids.to(tl.int64) * flag_stride, tl.full([BLOCK], 1, tl.int32), mask=hit)
+
+
+@triton.jit
 def qsa_backward_kernel(
     Q, K, V, O, DO, LSE, UNION, COUNT, ROWBITS, MAXIMA,
     scale, scale_log2,
@@ -106,12 +134,17 @@ def qsa_backward_kernel(
     recomputed after the loop, which keeps ptxas from spilling the prologue's offsets
     and serializing the wgmma instructions at the tuned tiling.
 
-    Read or written only with DETERMINISTIC (``fixed_point.py``): MAXIMA (fp32 [3]: max|Q|,
-    max|dO|, max|V| over V rows with a finite maximum) and BOUND_K / BOUND_V
-    (``qsa_triton.launch.fixed_point_bounds``), which fix the scales, and FLAG (int32
-    [1], zero on entry), set where a program's dQ is non-finite;
+    Read or written only with DETERMINISTIC (``fixed_point.py``): MAXIMA (fp32 [3]: max|Q|
+    and max|dO| over the routed rows with a finite maximum, max|V| over the V rows with a
+    finite maximum) and BOUND_K / BOUND_V (``qsa_triton.launch.fixed_point_bounds``),
+    which fix the scales, and FLAG (int32 ``[1 + B * S_kv * Hkv]``, zero on entry):
+    FLAG[1 + r] is set for each accumulator row r = (b * S_kv + j) * Hkv + g (the row's
+    element offset / D) that a confined (row, head) pair routes
+    (``language.confine_non_finite``: its dK/dV contributions there are NaN), FLAG[0]
+    where another pair's dQ is non-finite (a NaN/inf met elsewhere: a routed K/V row, an
+    overflow, which may have reached any of the program's keys);
     :func:`qsa_triton.fixed_point.fixed_point_kernel` converts the sums with the same
-    MAXIMA and bounds.
+    MAXIMA and bounds and writes NaN where FLAG says.
     """
     tile, b64, g64, t, head, row64, row_ok, d, d_ok, io_mask, count = program_tile(
         COUNT, B, S_q, N_TILES, HKV, G, D, N_CHUNKS, HB, T, D_PAD, FLAT, FOLD)
@@ -128,12 +161,13 @@ def qsa_backward_kernel(
     o = tl.load(pair_pointers(O, b64, row64, head, d, so_b, so_s, so_h, so_d), mask=io_mask, other=0.0)
     delta = tl.reduce(do.to(tl.float32) * o.to(tl.float32), 1, SUM)
     delta, lse_log2 = confine_non_finite(delta, lse_log2)
-    # q and dO as the products read them: without non-finite entries (confine_non_finite).
-    # Loaded again with those entries masked off rather than selected away, which keeps
-    # the compiled kernel's operands in the shared memory they took before
+    # q and dO as the products read them: without non-finite entries, and no dO for a
+    # confined row (LSE NaN; confine_non_finite). Loaded again with those entries masked
+    # off rather than selected away, which keeps the compiled kernel's operands in the
+    # shared memory they took before
     q = tl.load(q_ptr, mask=io_mask, other=0.0)
     q = tl.load(q_ptr, mask=io_mask & finite(q), other=0.0)
-    do = tl.load(do_ptr, mask=io_mask & finite(do), other=0.0)
+    do = tl.load(do_ptr, mask=io_mask & finite(do) & (lse_log2 == lse_log2)[:, None], other=0.0)
 
     tile_base = (b64 * N_TILES + tile) * UNION_WIDTH
     k_base = K + b64 * sk_b + g64 * sk_h
@@ -169,12 +203,16 @@ def qsa_backward_kernel(
                 EVEN_D, OFFS32, DETERMINISTIC)
 
     if DETERMINISTIC:
-        # a non-finite P or dS of this program reaches its dQ (dQ += dS K; 0 * inf is NaN
-        # too), and may have reached its dK/dV contributions, which the rounding to int64
-        # cannot carry: FLAG makes the conversion write NaN (fixed_point.py)
+        # the int64 sums cannot carry a NaN: FLAG makes the conversion write it
+        # (fixed_point.py). A confined row's contributions are NaN at exactly the keys it
+        # routes: the union entries whose rowbits meet its bit, flagged below. Any other
+        # non-finite P or dS of this program reaches its dQ (dQ += dS K; 0 * inf is NaN
+        # too) and may have reached any of its keys: FLAG[0], all of dK/dV
+        confined = lse_log2 != lse_log2
+        bad_bits = tl.reduce(tl.where(confined, tl.full([T * HB], 1, tl.int32) << t, 0), 0, OR)
         poisoned = tl.reduce(dq * 0.0, 1, SUM)
         tl.store(FLAG + tl.full([T * HB], 0, tl.int32), tl.full([T * HB], 1, tl.int32),
-                 mask=poisoned != poisoned)
+                 mask=(poisoned != poisoned) & (lse_log2 == lse_log2))
 
     # the store's per-row coordinates again, from a tile the compiler cannot prove equal to
     # the prologue's (count is never negative), so the prologue's int64 offsets and masks
@@ -187,5 +225,10 @@ def qsa_backward_kernel(
     io_mask = row_ok[:, None] & d_ok[None, :]
     dq_ptr = pair_pointers(DQ, b64, row64, head, d, sdq_b, sdq_s, sdq_h, sdq_d)
     tl.store(dq_ptr, cast(dq * scale, DQ.dtype.element_ty, INTERPRET), mask=io_mask)
+    if DETERMINISTIC:
+        tile_base = (b64 * N_TILES + tile) * UNION_WIDTH
+        flag_base = 1 + (b64 * sdk_b + g64 * sdk_h) // D
+        flag_routed_keys(FLAG, UNION + tile_base, ROWBITS + tile_base, count, bad_bits, flag_base, sdk_s // D,
+                         BLOCK_K, INTERPRET)
 
 

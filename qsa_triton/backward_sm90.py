@@ -5,7 +5,7 @@ Both frameworks' backward on sm_90, default and deterministic, where
 
 The same program, unions and math as ``backward.py``: fp32 atomic dK/dV, or with
 DETERMINISTIC its int64 fixed-point sums (``fixed_point.py``: the same scale, rounding and
-poisoning rule), split across warps as ``forward_sm90.py``. A 4-warp producer loads the program's Q
+NaN flags), split across warps as ``forward_sm90.py``. A 4-warp producer loads the program's Q
 and dO once, then gathers each 64-ID chunk's K and V rows with cp.async into one stage.
 Two consumer warpgroups each own 64 of the program's 128 (row, head) pairs; per chunk each
 1. computes S = Q K^T, P, dP = dO V^T and dS for its pairs ([64, 64] fp32 each),
@@ -134,15 +134,42 @@ def _gather_rows(smem, base, stride, ids0, ids1, ids2, ids3, cols):
 
 
 @gluon.jit
-def _zero_non_finite(q_rows, do_rows, ROWS: gl.constexpr):
+def _zero_non_finite(q_rows, do_rows, O, o_base, so_s, so_h, LSE, lse_base, sl_h, sl_s, tile, S_q, G,
+                     PAIRS: gl.constexpr, FIRST: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr):
     """Sets the non-finite entries of the pairs' staged ``q_rows`` / ``do_rows`` (shared
-    [ROWS, D]) to 0, SUB_ROWS pairs at a time (few registers)."""
+    [ROWS, D], pairs FIRST...) to 0, and the whole dO row of a confined pair (LSE or
+    delta = dO . O not finite, as the caller finds them), SUB_ROWS pairs at a time (few
+    registers; each slice's delta again, from the same terms in the same order)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
     for h in gl.static_range(ROWS // SUB_ROWS):
-        for which in gl.static_range(2):
-            rows = (q_rows if which == 0 else do_rows).slice(h * SUB_ROWS, SUB_ROWS, dim=0)
-            x = rows.load(blk)
-            rows.store(gl.where(gl.abs(x.to(gl.float32)) < float("inf"), x, 0.0).to(x.dtype))
+        rows = q_rows.slice(h * SUB_ROWS, SUB_ROWS, dim=0)
+        x = rows.load(blk)
+        rows.store(gl.where(gl.abs(x.to(gl.float32)) < float("inf"), x, 0.0).to(x.dtype))
+        _, row64, head, ok = _pairs(tile, S_q, G, gl.SliceLayout(1, blk), PAIRS, FIRST + h * SUB_ROWS, SUB_ROWS)
+        lse = gl.load(LSE + lse_base + head * sl_h + row64 * sl_s, mask=ok, other=float("inf"))
+        o_ptr = O + gl.expand_dims(o_base + row64 * so_s + head * so_h, 1) + gl.expand_dims(cols, 0)
+        o = gl.load(o_ptr, mask=gl.expand_dims(ok, 1) & gl.expand_dims(cols < D, 0), other=0.0)
+        rows = do_rows.slice(h * SUB_ROWS, SUB_ROWS, dim=0)
+        x = rows.load(blk)
+        delta = gl.sum(x.to(gl.float32) * o.to(gl.float32), axis=1)
+        kept = ((gl.abs(lse) < float("inf")) & (gl.abs(delta) < float("inf"))) | (lse == float("inf"))
+        x_ok = (gl.abs(x.to(gl.float32)) < float("inf")) & gl.expand_dims(kept, 1)
+        rows.store(gl.where(x_ok, x, 0.0).to(x.dtype))
+
+
+@gluon.jit
+def _flag_routed_keys(FLAG, UNION, ROWBITS, union_base, count, bad_bits, flag_base, flag_stride, cols,
+                      BLOCK: gl.constexpr):
+    """``backward.flag_routed_keys``: FLAG[flag_base + id * flag_stride] = 1 for every ID
+    of the union whose rowbits meet ``bad_bits``, BLOCK entries (``cols``) at a time."""
+    if bad_bits != 0:
+        for start in range(0, count, BLOCK):
+            u = start + cols
+            u_ok = u < count
+            ids = gl.load(UNION + union_base + u, mask=u_ok, other=0)
+            hit = u_ok & ((gl.load(ROWBITS + union_base + u, mask=u_ok, other=0) & bad_bits) != 0)
+            gl.store(FLAG + flag_base + ids.to(gl.int64) * flag_stride, gl.where(hit, 1, 0), mask=hit)
 
 
 @gluon.constexpr_function
@@ -246,14 +273,15 @@ def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem,
     do = do_rows.load(blk)
     delta = gl.convert_layout(gl.sum(do.to(gl.float32) * o.to(gl.float32), axis=1), row_s)
     # backward.py's guard (qsa_triton.language.confine_non_finite): a pair whose LSE or
-    # delta is not finite gets LSE NaN and delta 0, and the non-finite entries of this
-    # half's q and dO become 0 in shared memory, where every pair's dK/dV products read
-    # them; both halves are rewritten before either consumer's first PDS_STORED arrival,
-    # after which the gradient blocks read all 128 pairs
+    # delta is not finite is confined (LSE NaN, delta 0, its dO row 0), and the non-finite
+    # entries of this half's q and dO become 0 in shared memory, where every pair's dK/dV
+    # products read them; both halves are rewritten before either consumer's first
+    # PDS_STORED arrival, after which the gradient blocks read all 128 pairs
     finite = (gl.abs(lse) < float("inf")) & (gl.abs(delta) < float("inf"))  # False for NaN too
     lse_log2 = gl.where(finite | (lse == float("inf")), lse_log2, float("nan"))
     delta = gl.where(finite, delta, 0.0)
-    _zero_non_finite(q_smem.index(0).slice(HALF * ROWS, ROWS, dim=0), do_rows, ROWS)
+    _zero_non_finite(q_smem.index(0).slice(HALF * ROWS, ROWS, dim=0), do_rows, O, o_base, so_s, so_h, LSE, lse_base,
+                     sl_h, sl_s, tile, S_q, G, PAIRS, HALF * ROWS, ROWS, D)
     fence_async_shared()  # the rewrites before the wgmma reads
 
     cols_k = gl.arange(0, BLOCK_K, layout=col_s)
@@ -319,18 +347,24 @@ def _consumer(O, DQ, DK, DV, FLAG, MAXIMA, ROWBITS, UNION, LSE, q_smem, do_smem,
                    D, BLOCK_K, GRAD_COLS, DETERMINISTIC)
 
     if DETERMINISTIC:
-        # a non-finite P or dS of these pairs reaches their dQ (dQ += dS K; 0 * inf is NaN
-        # too) and may have reached the dK/dV sums, which the rounding to int64 cannot
-        # carry: FLAG makes the conversion write NaN (qsa_triton.fixed_point)
+        # backward.py's flags (qsa_triton.fixed_point): the keys that this half's confined
+        # pairs route (below, after the dQ store), and FLAG[0] where another pair's dQ is
+        # non-finite (its P or dS met a NaN/inf that may have reached any key)
         poisoned = gl.sum(dq * 0.0, axis=1)
         flag_layout: gl.constexpr = gl.SliceLayout(1, dq_layout)
+        kept = gl.convert_layout(lse_log2 == lse_log2, flag_layout)
         gl.store(FLAG + gl.zeros([ROWS], gl.int32, layout=flag_layout),
-                 gl.full([ROWS], 1, gl.int32, layout=flag_layout), mask=poisoned != poisoned)
+                 gl.full([ROWS], 1, gl.int32, layout=flag_layout), mask=(poisoned != poisoned) & kept)
     cols_d = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
     dq_off = gl.convert_layout(dq_base + row64 * sdq_s + head * sdq_h, gl.SliceLayout(1, dq_layout))
     dq_ok = gl.convert_layout(ok_s, gl.SliceLayout(1, dq_layout))
     gl.store(DQ + gl.expand_dims(dq_off, 1) + gl.expand_dims(cols_d, 0), (dq * scale).to(DQ.dtype.element_ty),
              mask=gl.expand_dims(dq_ok, 1) & gl.expand_dims(cols_d < D, 0))
+    if DETERMINISTIC:
+        confined = lse_log2 != lse_log2
+        bad_bits = gl.reduce_or(gl.where(confined, gl.full([ROWS], 1, gl.int32, layout=row_s) << t_s, 0), axis=0)
+        _flag_routed_keys(FLAG, UNION, ROWBITS, union_base, count, bad_bits, 1 + dk_base // D, sdk_s // D,
+                          cols_k, BLOCK_K)
 
 
 @gluon.jit
@@ -354,7 +388,9 @@ def qsa_backward_sm90_kernel(
     strides, unit stride along D): fp32, or with DETERMINISTIC int64 fixed-point sums
     (``qsa_triton.fixed_point``; held in any 32-bit-word buffer, strides counting int64
     elements), scaled from MAXIMA (fp32 [3]) and BOUND_K / BOUND_V as ``backward.py``
-    scales them, FLAG (int32 [1], zero on entry) set where a pair's dQ is non-finite.
+    scales them, FLAG (int32 ``[1 + B * S_kv * Hkv]``, zero on entry) set as ``backward.py``
+    sets it (the accumulator rows that confined pairs route; FLAG[0] where another pair's
+    dQ is non-finite).
     MAXIMA, BOUND_K, BOUND_V and FLAG are read or written only with DETERMINISTIC. Unit
     stride along D and int32 element offsets within a head. Grid ``(N_TILES, B * HKV)``;
     num_warps = 4."""

@@ -19,12 +19,17 @@ dP = dO . v_j and delta = dO . o (o = sum_j P v_j, a convex combination of route
 
 since |dP| and |delta| are at most D * max|dO| * max|V|. Every partial sum of the
 contributions (each program adds a partial sum of the same terms) obeys the same bound.
-The maxima are over all of Q and dO, and over the rows of V whose own maximum is finite
-(rows that no route names may hold anything: they must neither poison nor be needed; a
-non-finite V row that a route does name is caught by the dQ check below). The launcher
-hands them to the kernels as ``MAXIMA`` (fp32 ``[3]``: max|Q|, max|dO|, max|V|), computed
-with framework reductions that are exact (maxima round nothing, so both frameworks get the
-same bits). Exponents are exact integers, so nothing overflows at any input magnitude:
+The maxima are over the rows ``[b, i, h, :]`` of Q and of dO whose own maximum is finite
+and whose (row, head) pair has routes (LSE not +inf; the others are not read), and over
+the rows of V whose own maximum is finite (rows that no route names may hold anything:
+they must neither poison nor be needed; a non-finite V row that a route does name is
+caught by the dQ check below). A row that holds a non-finite q or dO entry is confined
+(``language.confine_non_finite``): it adds NaN at the keys it routes and exact zeros
+elsewhere, so none of its finite entries enters a sum, and every row that does enter has
+a finite q and dO (a finite LSE and delta). The launcher hands the maxima to the kernels
+as ``MAXIMA`` (fp32 ``[3]``: max|Q|, max|dO|, max|V|), computed with framework reductions
+that are exact (maxima round nothing, so both frameworks get the same bits). Exponents
+are exact integers, so nothing overflows at any input magnitude:
 ``E = ceil(log2(2 * scale * N * D)) + ceil(log2 max|dO|) + ceil(log2 max|V|) +
 ceil(log2 max|Q|)`` for dK (the first term on the host, exactly, from the fp32 scale:
 ``qsa_triton.launch.fixed_point_bounds``; the others here from the maxima's bits, 2**-126
@@ -50,12 +55,19 @@ times the bound (each of the four ceilings adds at most a bit); the default fp32
 err by up to n * 2**-24 of the running sum. The int64 sum is converted to
 fp32 once (rounded to nearest), scaled by 2**-e (exact) and cast to the output dtype.
 
-**Non-finite values.** If Q or dO holds a non-finite value, or any program's dQ comes out
-non-finite (its P or dS met a NaN/inf: a routed K/V row, an overflowing score), dK and dV are
-NaN everywhere (the kernel raises ``FLAG``; the kernels read only K/V rows that the
-program's own rows route to, so unrouted rows never reach it). The default backward gives
-NaN for the keys of the affected tiles only; this one does not try to tell which keys, and
-never turns a NaN into a finite number.
+**Non-finite values.** The int64 sums cannot carry a NaN, so the kernels say where one
+went in ``FLAG`` (int32 ``[1 + B * S_kv * Hkv]``, zeroed) and the conversion writes NaN
+there instead of the sum; a NaN never becomes a finite number. A non-finite value in row
+i's q or dO confines the row: its contributions are NaN at exactly the keys it routes
+(every lane of their dK and dV, as in the default backward) and zero elsewhere, so the
+kernel sets FLAG[1 + r] for the accumulator rows r = (b * S_kv + j) * Hkv + g of those
+keys j (read from the union's rowbits: no per-element test) and only they come out NaN;
+the rest of dK/dV keeps its finite value. Any other non-finite contribution (a routed K
+or V row holding NaN/inf, an overflowing score) makes some unconfined pair's dQ
+non-finite (its P or dS met the NaN/inf; 0 * inf is NaN too): the kernel sets FLAG[0]
+and dK and dV are NaN everywhere, as it cannot tell which keys it reached. The kernels
+read only K/V rows that the program's own rows route to, so unrouted rows never reach
+either flag.
 
 Signature order is the launchers' contract (``qsa_triton.launch``): array inputs, fp32
 scalars, outputs, then integers and constexprs (by keyword).
@@ -155,20 +167,25 @@ def add_fixed(ptr, x, mask, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def fixed_point_kernel(DK_FIXED, DV_FIXED, MAXIMA, FLAG, DK, DV, n, BOUND_K, BOUND_V,
+def fixed_point_kernel(DK_FIXED, DV_FIXED, MAXIMA, FLAG, DK, DV, n, D, BOUND_K, BOUND_V,
                        BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """DK, DV (the output dtype, ``n`` elements each, contiguous) from the int64 sums
-    DK_FIXED, DV_FIXED (any 32-bit-word buffer holding ``n`` int64, contiguous): each
-    sum rounded to fp32, times 2**-e (exact), cast to the output dtype; NaN everywhere
-    where FLAG (int32 [1]) is set or the tensor's bound was refused. ``MAXIMA``,
-    ``BOUND_K``, ``BOUND_V``: as the backward got them. Grid: ``ceil(n / BLOCK)``."""
+    """DK, DV (the output dtype, ``n`` elements each, contiguous rows of ``D``) from the
+    int64 sums DK_FIXED, DV_FIXED (any 32-bit-word buffer holding ``n`` int64,
+    contiguous): each sum rounded to fp32, times 2**-e (exact), cast to the output
+    dtype; NaN in every row r whose FLAG[1 + r] is set, everywhere where FLAG[0] is set
+    or the tensor's bound was refused (FLAG: int32 ``[1 + n / D]``, as the backward wrote
+    it). ``MAXIMA``, ``BOUND_K``, ``BOUND_V``: as the backward got them. Grid:
+    ``ceil(n / BLOCK)``."""
     e_k, e_v, ok_k, ok_v = fixed_point_exponents(MAXIMA, BOUND_K, BOUND_V)
     clean = load_count(FLAG, 0) == 0
     inv_k = tl.where(ok_k & clean, _power_of_two(-tl.maximum(e_k, -126)), float("nan"))
     inv_v = tl.where(ok_v & clean, _power_of_two(-tl.maximum(e_v, -126)), float("nan"))
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
+    flagged = tl.load(FLAG + 1 + offs // D, mask=ok, other=0) != 0
     dk = tl.load(DK_FIXED.to(tl.pointer_type(tl.int64)) + offs, mask=ok, other=0)
-    tl.store(DK + offs, cast(dk.to(tl.float32) * inv_k, DK.dtype.element_ty, INTERPRET), mask=ok)
+    dk = tl.where(flagged, float("nan"), dk.to(tl.float32) * inv_k)
+    tl.store(DK + offs, cast(dk, DK.dtype.element_ty, INTERPRET), mask=ok)
     dv = tl.load(DV_FIXED.to(tl.pointer_type(tl.int64)) + offs, mask=ok, other=0)
-    tl.store(DV + offs, cast(dv.to(tl.float32) * inv_v, DV.dtype.element_ty, INTERPRET), mask=ok)
+    dv = tl.where(flagged, float("nan"), dv.to(tl.float32) * inv_v)
+    tl.store(DV + offs, cast(dv, DV.dtype.element_ty, INTERPRET), mask=ok)

@@ -45,8 +45,14 @@ def _maximum(a, b):
     return tl.maximum(a, b)
 
 
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
 SUM = getattr(tl.standard, "_sum_combine", _add)
 MAX = getattr(tl.standard, "_elementwise_max", _maximum)
+OR = getattr(tl.standard, "_or_combine", _or)
 
 
 @triton.jit
@@ -74,16 +80,20 @@ def confine_non_finite(delta, lse):
     The dK/dV products sum over all of a program's rows, and 0 * NaN is NaN: a NaN or
     inf entry of row m's q or dO would reach every key of the tile's union, routed by
     row m or not. Such a row shows in its own statistics: a non-finite q makes the
-    forward's LSE (computed from it) NaN, or +inf (no routes: then q and dO are not read),
-    and a non-finite dO makes delta = dO . O non-finite. So where the LSE or delta is not
-    finite the row gets LSE NaN and delta 0 (returned: ``(delta, lse)``, unchanged for
-    finite rows; ``lse`` in either log base), and the caller drops the non-finite entries
-    of q and dO (reads them as 0) in the operands the products read: the row's P, and so
-    its dS and dQ, are NaN at exactly the keys it routes (P is 0 elsewhere, and dS = P (dP
-    - delta) with finite dP and delta is 0 there), and the products carry that NaN to
-    those keys' dK and dV, every lane. A float64 gather reference gives the same
-    non-finite dQ and dK; where dO is poisoned its dV is non-finite only at the poisoned
-    lanes of the routed keys, here at all of them. The loop is not touched."""
+    forward's LSE (computed from it) NaN or infinite (+inf: no routes, then q and dO are
+    not read), since every score of the row is then non-finite, and a non-finite dO
+    makes delta = dO . O non-finite. So where the LSE or delta is not finite the row is
+    *confined*: it gets LSE NaN and delta 0 (returned: ``(delta, lse)``, unchanged for
+    other rows; ``lse`` in either log base; a confined row is one whose returned LSE is
+    NaN), and the caller drops the non-finite entries of q and the whole dO row of a
+    confined row (reads them as 0) in the operands the products read: the row's P, and
+    so its dS and dQ, are NaN at exactly the keys it routes (P is 0 elsewhere, and dS =
+    P (dP - delta) with dP = 0 and delta = 0 is 0 there), and the products carry that NaN
+    to those keys' dK and dV, every lane; everywhere else the row adds exact zeros, and
+    none of its finite entries enters a finite sum (which the deterministic backward's
+    bound relies on: ``qsa_triton.fixed_point``). A float64 gather reference gives the
+    same non-finite dQ and dK; where dO is poisoned its dV is non-finite only at the
+    poisoned lanes of the routed keys, here at all of them. The loop is not touched."""
     ok = finite(lse) & finite(delta)
     return tl.where(ok, delta, 0.0), tl.where(ok | (lse == float("inf")), lse, float("nan"))
 

@@ -239,15 +239,20 @@ def forward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, union_sh
 
 
 def _gradient_accumulators(dk_shape: tuple[int, ...], scale: float, n_pairs: int,
-                           deterministic: bool) -> tuple[tuple[int, int], tuple[Output, Output]]:
-    """The backward kernels' ``(BOUND_K, BOUND_V)`` and DK / DV outputs: fp32 ``dk_shape``
-    (bounds unused, 0), or int64 fixed-point sums allocated as int32 ``dk_shape + (2,)``
-    with :func:`fixed_point_bounds`."""
+                           deterministic: bool) -> tuple[tuple[int, int], tuple[Output, Output, Output]]:
+    """The backward kernels' ``(BOUND_K, BOUND_V)`` and DK / DV / FLAG outputs: fp32
+    ``dk_shape`` (bounds unused, 0; FLAG int32 ``[1]``, unused), or int64 fixed-point sums
+    allocated as int32 ``dk_shape + (2,)`` with :func:`fixed_point_bounds` and FLAG int32
+    ``[1 + B * S_kv * Hkv]`` (``qsa_triton.fixed_point``: one flag for all of dK/dV, then
+    one per accumulator row); all zeroed."""
     if deterministic:
         sums = dk_shape + (2,)
+        rows = int(np.prod(dk_shape[:3]))
         return (fixed_point_bounds(scale, n_pairs, dk_shape[3]),
-                (Output("DK", sums, "int32", zeroed=True), Output("DV", sums, "int32", zeroed=True)))
-    return (0, 0), (Output("DK", dk_shape, "float32", zeroed=True), Output("DV", dk_shape, "float32", zeroed=True))
+                (Output("DK", sums, "int32", zeroed=True), Output("DV", sums, "int32", zeroed=True),
+                 Output("FLAG", (1 + rows,), "int32", zeroed=True)))
+    return (0, 0), (Output("DK", dk_shape, "float32", zeroed=True), Output("DV", dk_shape, "float32", zeroed=True),
+                    Output("FLAG", (1,), "int32", zeroed=True))
 
 
 def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, do: Operand,
@@ -256,14 +261,15 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
     """The backward kernel over the backward's unions (``union_shape``); ``o`` is the
     forward's output and ``do`` its gradient, LSE the forward's (row-major). Outputs: DQ
     like q in ``dtype``, DK and DV fp32 ``[B, S_kv, Hkv, D]`` accumulators (zeroed), and
-    FLAG (int32 ``[1]``, zeroed; written only when deterministic).
+    FLAG (int32 ``[1]``, zeroed; unused).
 
     Inputs also name MAXIMA, which only the deterministic kernel reads: fp32 ``[3]``,
-    max|Q|, max|dO|, and max|V| over the V rows whose maximum is finite (the launchers
-    pass LSE in its place otherwise). ``deterministic``: the bitwise-reproducible kernel
-    (``qsa_triton.fixed_point``): DK and DV are int64 ``[B, S_kv, Hkv, D]`` sums,
-    allocated as int32 ``[B, S_kv, Hkv, D, 2]``, the integers BOUND_K / BOUND_V come from
-    :func:`fixed_point_bounds`; :func:`fixed_point_launch`
+    max|Q| and max|dO| over the routed rows whose maximum is finite, and max|V| over the V
+    rows whose maximum is finite (the launchers pass LSE in its place otherwise).
+    ``deterministic``: the bitwise-reproducible kernel (``qsa_triton.fixed_point``): DK
+    and DV are int64 ``[B, S_kv, Hkv, D]`` sums, allocated as int32 ``[B, S_kv, Hkv, D,
+    2]``, FLAG int32 ``[1 + B * S_kv * Hkv]`` says where they hold NaN, the integers
+    BOUND_K / BOUND_V come from :func:`fixed_point_bounds`; :func:`fixed_point_launch`
     converts the sums."""
     (bsz, s_q, hq, d), (_, s_kv, hkv, _) = q[0], k[0]
     grid, fold, ints, constexprs, attempt = _kernel_shape(plan, q, k, union_shape, True, dtype, interpreted,
@@ -280,7 +286,7 @@ def backward_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Operand, 
     return Launch(
         "backward", grid, ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS", "MAXIMA"),
         (("scale", fp32(scale)), ("scale_log2", fp32(scale * LOG2E))),
-        (Output("DQ", dq_shape, dtype), *accumulators, Output("FLAG", (1,), "int32", zeroed=True)),
+        (Output("DQ", dq_shape, dtype), *accumulators),
         tuple(strides + ints + [("BOUND_K", bounds[0]), ("BOUND_V", bounds[1])] + constexprs + tail),
         plan.blocks.backward_num_warps, attempt.stages)
 
@@ -294,7 +300,7 @@ def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Oper
     are multiples of 16). The same inputs and outputs as :func:`backward_launch`'s: DQ like
     q in ``dtype``; DK and DV fp32 zeroed, or (``deterministic``) int64 fixed-point sums
     allocated as int32 ``[B, S_kv, Hkv, D, 2]`` that :func:`fixed_point_launch` converts;
-    MAXIMA read and FLAG written only when deterministic."""
+    MAXIMA read and FLAG (``[1 + B * S_kv * Hkv]``) written only when deterministic."""
     if forward_sm90_launch(plan, q, k, v, union_shape, scale, dtype) is None:
         return None
     # the backward's programs must be the forward's (128 pairs each)
@@ -323,7 +329,7 @@ def backward_sm90_launch(plan: Plan, q: Operand, k: Operand, v: Operand, o: Oper
         "backward_sm90", (n_tiles, bsz * hkv),
         ("Q", "K", "V", "O", "DO", "LSE", "UNION", "COUNT", "ROWBITS", "MAXIMA"),
         (("scale", fp32(scale)), ("scale_log2", fp32(scale * LOG2E))),
-        (Output("DQ", dq_shape, dtype), *accumulators, Output("FLAG", (1,), "int32", zeroed=True)),
+        (Output("DQ", dq_shape, dtype), *accumulators),
         tuple(params), SM90_FORWARD_WARPS, 1)
 
 
@@ -352,14 +358,14 @@ def fixed_point_launch(kv_shape: tuple[int, ...], dtype: str, scale: float, n_pa
                        interpreted: bool) -> Launch:
     """The conversion of the deterministic backward's int64 sums DK_FIXED / DV_FIXED (as
     it wrote them) to DK, DV ``kv_shape`` = ``[B, S_kv, Hkv, D]`` in ``dtype``, row-major,
-    written in full; MAXIMA and FLAG are the backward's, ``scale`` and ``n_pairs`` its
-    :func:`fixed_point_bounds` arguments."""
+    written in full; MAXIMA and FLAG (``[1 + B * S_kv * Hkv]``) are the backward's,
+    ``scale`` and ``n_pairs`` its :func:`fixed_point_bounds` arguments."""
     n = int(np.prod(kv_shape))
     bound_k, bound_v = fixed_point_bounds(scale, n_pairs, kv_shape[3])
     return Launch(
         "fixed_point", (-(-n // FIXED_POINT_BLOCK),), ("DK_FIXED", "DV_FIXED", "MAXIMA", "FLAG"), (),
         (Output("DK", tuple(kv_shape), dtype), Output("DV", tuple(kv_shape), dtype)),
-        (("n", n), ("BOUND_K", bound_k), ("BOUND_V", bound_v), ("BLOCK", FIXED_POINT_BLOCK),
+        (("n", n), ("D", int(kv_shape[3])), ("BOUND_K", bound_k), ("BOUND_V", bound_v), ("BLOCK", FIXED_POINT_BLOCK),
          ("INTERPRET", interpreted)),
         UNION_WARPS, UNION_STAGES)
 
