@@ -43,7 +43,7 @@ def test_jax(monkeypatch, kind):
     """Implementations ("pallas" stands in, then the reference) on CPU."""
     fake = types.ModuleType("qsa_test_fake_pallas")
     fake.supports = lambda *a, **k: None
-    fake.pallas_sparse_gqa_attention = fake.triton_sparse_gqa_attention = _raising(kind)
+    fake.pallas_sparse_gqa_attention = fake.checked_attention = _raising(kind)
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     monkeypatch.setitem(attention.IMPLEMENTATIONS, "pallas", fake.__name__)
     monkeypatch.setitem(attention.IMPLEMENTATIONS, "triton", fake.__name__)
