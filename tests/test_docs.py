@@ -143,7 +143,7 @@ def test_no_history_narration():
     ("measured in this sess" + "ion", True), ("raw s26 outputs of ca" + "ll 3", True),
     ("the nine" + "teenth's inside", True), ("a thi" + "rd sitting", True), ("the 14" + "th session", True),
     ("imported on the first call, never at import", False), ("thirty-two rows per tile", False),
-    ("the second row is right-padded", False), ("re" + "call 3 rows", False),
+    ("the second row is right-padded", False), ("recall" + " 3 rows", False),
 ])
 def test_narration_pattern(line, narrates):
     assert bool(NARRATION.search(line)) is narrates
