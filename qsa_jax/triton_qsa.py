@@ -19,11 +19,11 @@ mode: on CPU use ``implementation="pallas"`` with ``interpret=True``). No ``jax.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 
+from qsa_common._extras import installed
 from qsa_common.errors import BackendDeclined, UnsupportedShape
 from qsa_triton import driver
 from qsa_triton.config import BlockSizes, default_block_sizes
@@ -54,7 +54,7 @@ def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
     compute capability 8.0+. Reads metadata only; the limits are ``qsa_triton.limits``'
     (``qsa_torch``'s too). ``softmax_scale`` and ``deterministic`` decline nothing."""
     return decline(query.shape[-1], jnp.dtype(query.dtype).name, runtime="jax_triton",
-                   runtime_present=importlib.util.find_spec("jax_triton") is not None, device=_platform(query),
+                   runtime_present=installed("jax_triton"), device=_platform(query),
                    capability=gpu_capability(query))
 
 

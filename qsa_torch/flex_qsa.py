@@ -36,7 +36,6 @@ before allocating anything.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import warnings
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from qsa_common._extras import installed
 from qsa_common.errors import BackendDeclined, MissingRuntime, UnsupportedDevice, UnsupportedDtype
 
 from ._nonfinite import confine_nonfinite
@@ -61,7 +61,7 @@ class NoCPUBackward(UnsupportedDevice, NotImplementedError):
 
 # looked up once, at import (dynamo traces supports() under torch.compile: no importlib there)
 _RUNTIME = "torch.nn.attention.flex_attention"
-_HAS_RUNTIME = importlib.util.find_spec(_RUNTIME) is not None
+_HAS_RUNTIME = installed(_RUNTIME)
 
 # FlexAttention's sparse tile (query rows x key rows) of the BlockMask.
 _TILE = 128

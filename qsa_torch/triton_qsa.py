@@ -29,10 +29,9 @@ torch adapter of ``qsa_triton.driver``.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
+from qsa_common._extras import installed
 from qsa_common.errors import BackendDeclined
 from qsa_triton import driver
 from qsa_triton import launch as spec
@@ -67,7 +66,7 @@ TileUnions = driver.Unions
 
 
 # looked up once, at import: dynamo traces supports() inside a compiled "auto" dispatch
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_HAS_TRITON = installed("triton")
 
 
 def supports(query, key, value, selected_token_ids, *, softmax_scale=None,
